@@ -1,0 +1,97 @@
+"""The claimed key of the running request, and the ``current_idempotency`` proxy."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, cast
+
+from flask import g
+from werkzeug.local import LocalProxy
+
+from .config import RouteSettings
+from .store import ClaimOutcome
+
+if TYPE_CHECKING:
+    from .postgres import PostgresStore
+
+_G_NAME = "_idempotency_claim"
+
+
+class ClaimedKey:
+    """The idempotency key held by the running view, as ``current_idempotency``."""
+
+    def __init__(
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        settings: RouteSettings,
+        store: PostgresStore,
+    ) -> None:
+        #: the tenant the key belongs to (``""`` without a tenant loader)
+        self.tenant = tenant
+        #: the idempotency key, unquoted
+        self.key = key
+        self.outcome = outcome
+        self.settings = settings
+        self.store = store
+        #: set by :meth:`release`
+        self.released = False
+        #: an unhandled exception raised by the view, if any
+        self.exception: BaseException | None = None
+
+    @property
+    def attempt(self) -> int:
+        """1 on the first execution of the view for this key, n on the n-th takeover."""
+        return self.outcome.attempt
+
+    @property
+    def recovery_point(self) -> str:
+        """The last committed phase of this key (``"started"`` on a fresh key)."""
+        return self.outcome.recovery_point
+
+    def release(self) -> None:
+        """End this attempt as retryable: nothing happened, a retry may run the view
+        again. The response is still sent, but not stored."""
+        self.released = True
+
+    def downstream_key(self, name: str) -> str:
+        """A key derived from this claim, the same on every attempt, to pass to a
+        payment provider or any other idempotent downstream API.
+
+        Different *name*\\ s give different keys; a key used afresh after it expired
+        gives new ones.
+        """
+        material = "\x00".join((self.tenant, self.key, str(self.outcome.generation), name))
+        return hashlib.sha256(material.encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"<ClaimedKey tenant={self.tenant!r} key={self.key!r} attempt={self.attempt}>"
+
+
+def set_claim(claim: ClaimedKey) -> None:
+    setattr(g, _G_NAME, claim)
+
+
+def peek_claim() -> ClaimedKey | None:
+    """The claim of this request, if it holds one."""
+    return cast("ClaimedKey | None", g.get(_G_NAME))
+
+
+def pop_claim() -> ClaimedKey | None:
+    """Take the claim off the request so that it is finished once only."""
+    return cast("ClaimedKey | None", g.pop(_G_NAME, None))
+
+
+def _current() -> ClaimedKey:
+    claim = g.get(_G_NAME) if g else None
+    if claim is None:
+        raise RuntimeError(
+            "current_idempotency is only available inside a view decorated with"
+            " @idempotency.idempotent that received an idempotency key."
+        )
+    return cast(ClaimedKey, claim)
+
+
+#: The :class:`ClaimedKey` of the running idempotent view.
+current_idempotency: ClaimedKey = cast(ClaimedKey, LocalProxy(_current))

@@ -1,0 +1,137 @@
+"""The exceptions of flask-idempotency, under one root: :class:`IdempotencyError`.
+
+Errors a client causes subclass werkzeug's HTTP exceptions, so Flask turns them
+into RFC 9457 ``application/problem+json`` responses, one ``type`` per situation, and an app may
+still register its own error handler for them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from werkzeug.exceptions import (
+    BadRequest,
+    Conflict,
+    HTTPException,
+    InternalServerError,
+    RequestEntityTooLarge,
+    ServiceUnavailable,
+    UnprocessableEntity,
+)
+
+from .config import DEFAULTS, PROBLEM_TYPE_BASE
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+class IdempotencyError(Exception):
+    """The root of every error raised by flask-idempotency."""
+
+
+class StoreError(IdempotencyError):
+    """The store (PostgreSQL) could not be reached or failed; wraps the driver's error."""
+
+
+class ProblemError(IdempotencyError, HTTPException):
+    """An error answered to the client as an RFC 9457 problem."""
+
+    #: the last part of the problem's ``type`` URI, one per situation
+    slug = "error"
+    title = "Idempotency error"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        retry_after_seconds: int | None = None,
+        type_base: str = DEFAULTS[PROBLEM_TYPE_BASE],
+        **extensions: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        #: sent as ``Retry-After`` where a retry can succeed
+        self.retry_after_seconds = retry_after_seconds
+        self.type_base = type_base
+        #: extra members of the problem object (e.g. ``key``)
+        self.extensions = extensions
+
+    @property
+    def problem_type(self) -> str:
+        """The problem's ``type`` URI."""
+        return self.type_base + self.slug
+
+    def get_body(self, environ: Any = None, scope: Any = None) -> str:
+        """The problem object (RFC 9457) as JSON."""
+        body = {
+            "type": self.problem_type,
+            "title": self.title,
+            "status": self.code,
+            "detail": self.detail,
+            **self.extensions,
+        }
+        return json.dumps(body)
+
+    def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
+        """``Content-Type: application/problem+json``, and ``Retry-After`` if set."""
+        headers = [("Content-Type", PROBLEM_MEDIA_TYPE)]
+        if self.retry_after_seconds is not None:
+            headers.append(("Retry-After", str(self.retry_after_seconds)))
+        return headers
+
+
+class MissingKey(ProblemError, BadRequest):
+    """The route requires an idempotency key and the request has none."""
+
+    slug = "key-missing"
+    title = "Idempotency key missing"
+
+
+class InvalidKey(ProblemError, BadRequest):
+    """The idempotency key header is malformed or repeated."""
+
+    slug = "key-invalid"
+    title = "Idempotency key invalid"
+
+
+class FingerprintMismatch(ProblemError, UnprocessableEntity):
+    """The key was first used for a different request (another body or endpoint)."""
+
+    slug = "key-reused"
+    title = "Idempotency key reused for a different request"
+
+
+class RequestInProgress(ProblemError, Conflict):
+    """A request with the same key is being processed right now."""
+
+    slug = "request-in-progress"
+    title = "A request with this idempotency key is in progress"
+
+
+class OutcomeUnknown(ProblemError, Conflict):
+    """The key's outcome is unknown (its worker died, or the view failed); an operator
+    must resolve it before the key can be used again."""
+
+    slug = "outcome-unknown"
+    title = "The outcome of the request with this idempotency key is unknown"
+
+
+class StoreUnavailable(ProblemError, ServiceUnavailable):
+    """The idempotency store cannot be reached; the view did not run."""
+
+    slug = "store-unavailable"
+    title = "Idempotency store unavailable"
+
+
+class RequestTooLarge(ProblemError, RequestEntityTooLarge):
+    """The request body is larger than ``IDEMPOTENCY_MAX_REQUEST_BYTES``."""
+
+    slug = "request-too-large"
+    title = "Request too large for an idempotent request"
+
+
+class ResponseNotStorable(ProblemError, InternalServerError):
+    """The view's response cannot be stored faithfully (streamed, or too large)."""
+
+    slug = "response-not-storable"
+    title = "Response cannot be stored for replay"

@@ -1,0 +1,61 @@
+"""Reading the ``Idempotency-Key`` header, and the advisory lock id of a key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+from http_sfv.item import Item
+
+from .errors import InvalidKey
+
+MAX_KEY_LENGTH = 255
+
+
+def parse_key(values: Sequence[str], header: str) -> str:
+    """Return the key carried by the header *values* of one request.
+
+    The value is an RFC 8941 sf-string (``"abc"``, as the IETF draft writes it) or
+    a bare opaque string (``abc``, as Stripe writes it). Either way the key is 1-255
+    visible ASCII characters. A bare key cannot contain a comma: proxies and WSGI
+    servers join repeated headers with commas, so a comma means "several keys".
+
+    :raises InvalidKey: more than one header, or a value that is not a key.
+    """
+    if len(values) != 1:
+        raise InvalidKey(f"Send exactly one {header} header; this request has {len(values)}.")
+    raw = values[0].strip(" \t")
+    if raw.startswith('"'):
+        key = _unquote(raw, header)
+    elif "," in raw:
+        raise InvalidKey(
+            f"{header} holds several values; send exactly one key "
+            '(quote it as an sf-string, "like,this", if it contains a comma).'
+        )
+    else:
+        key = raw
+    if not 1 <= len(key) <= MAX_KEY_LENGTH or not all("!" <= c <= "~" for c in key):
+        raise InvalidKey(
+            f"{header} must be 1-{MAX_KEY_LENGTH} visible ASCII characters "
+            "(no spaces or control characters)."
+        )
+    return key
+
+
+def _unquote(raw: str, header: str) -> str:
+    item = Item()
+    try:
+        item.parse(raw.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raise InvalidKey(f"{header} is not a valid RFC 8941 sf-string or is sent twice.") from None
+    if not isinstance(item.value, str) or item.params:
+        raise InvalidKey(f"{header} must be a plain sf-string without parameters.")
+    return item.value
+
+
+def lock_id(tenant: str, key: str) -> int:
+    """The signed 64-bit advisory lock id of *key* in the scope of *tenant*."""
+    # The tenant's length keeps ("ab", "c") and ("a", "bc") apart.
+    data = f"{len(tenant)}:{tenant}{key}".encode()
+    unsigned = xxhash.xxh64_intdigest(data)
+    return unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned

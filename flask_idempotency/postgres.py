@@ -1,0 +1,415 @@
+"""PostgresStore: the pool, the schema, and every SQL statement of the extension.
+
+Each request costs at most two statements, each its own transaction:
+
+* the *claim* reads the key's row, and when the request must run the view takes a
+  transaction-scoped advisory lock and inserts or takes over the ``processing`` row,
+  all in one statement, so one round trip; the lock ends with that statement's
+  transaction, so no connection can go back to the pool holding it, and the claim
+  works through PgBouncer in transaction pooling mode;
+* the *finish* stores the response (or marks the key retryable or unknown) in one
+  UPDATE fenced by the attempt, so a zombie attempt cannot overwrite a newer one.
+
+A replay is the claim alone, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import TupleRow
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from .config import OnAbandoned, Settings
+from .errors import StoreError
+from .keys import lock_id
+from .store import ClaimOutcome, Decision, KeyStatus, StoredResponse
+
+logger = logging.getLogger("flask_idempotency")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
+    tenant text NOT NULL,
+    key text NOT NULL,
+    fingerprint bytea NOT NULL,
+    status text NOT NULL
+        CHECK (status IN ('processing', 'completed', 'retryable', 'unknown')),
+    attempt integer NOT NULL DEFAULT 1,
+    generation bigint NOT NULL,
+    recovery_point text NOT NULL DEFAULT 'started',
+    locked_until timestamptz,
+    response_status smallint,
+    response_headers jsonb,
+    response_body bytea,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at)
+    WHERE status IN ('completed', 'retryable');
+CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (locked_until)
+    WHERE status = 'processing';
+"""
+
+# Reads the row with the statement's snapshot and decides; only when the request
+# must run the view does it take the advisory lock and write. The write is fenced
+# by what was read (attempt, generation, status): a row that changed, or appeared,
+# after the snapshot makes the write a no-op and the request a 409, never a second
+# owner. A zero-row INSERT takes no transaction id, so a replay writes no WAL.
+CLAIM = """
+WITH seen AS (
+    SELECT status, fingerprint, attempt, generation, recovery_point,
+           locked_until <= now() AS lease_over,
+           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           response_status, response_headers, response_body
+    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), intent AS (
+    SELECT CASE
+        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
+        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.status = 'completed' THEN 'replay'
+        WHEN seen.status = 'retryable' THEN 'taken_over'
+        WHEN seen.status = 'unknown' THEN 'unknown'
+        WHEN seen.lease_over THEN %(on_abandoned)s::text
+        ELSE 'in_progress'
+    END AS decision
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true
+), lock AS (
+    SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
+    FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
+), claimed AS (
+    INSERT INTO {table} AS k
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at)
+    SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
+           (extract(epoch FROM now()) * 1000000)::bigint,
+           now() + %(lease)s, now() + %(ttl)s
+    FROM lock, intent
+    WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
+    ON CONFLICT (tenant, key) DO UPDATE SET
+        status = 'processing',
+        fingerprint = excluded.fingerprint,
+        attempt = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                       THEN 1 ELSE k.attempt + 1 END,
+        generation = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                          THEN excluded.generation ELSE k.generation END,
+        recovery_point = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                              THEN 'started' ELSE k.recovery_point END,
+        created_at = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                          THEN now() ELSE k.created_at END,
+        locked_until = excluded.locked_until,
+        expires_at = excluded.expires_at,
+        updated_at = now(),
+        response_status = NULL, response_headers = NULL, response_body = NULL
+    WHERE (k.attempt, k.generation, k.status)
+        = (SELECT attempt, generation, status FROM seen)
+    RETURNING k.attempt, k.generation, k.recovery_point
+), marked AS (
+    UPDATE {table} AS k
+    SET status = 'unknown', locked_until = NULL, updated_at = now()
+    FROM lock, seen
+    WHERE lock.granted AND (SELECT decision FROM intent) = 'marked_unknown'
+      AND k.tenant = %(tenant)s AND k.key = %(key)s AND k.status = 'processing'
+      AND k.attempt = seen.attempt AND k.generation = seen.generation
+    RETURNING k.attempt
+)
+SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
+       (SELECT count(*) FROM marked), seen.status, seen.attempt,
+       seen.response_status, seen.response_headers, seen.response_body
+FROM intent
+LEFT JOIN claimed ON true
+LEFT JOIN seen ON true
+"""
+
+# The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
+# whose key was taken over, or used afresh after expiry, changes nothing.
+FINISH = """
+UPDATE {table}
+SET status = %(status)s, locked_until = NULL, updated_at = now(),
+    expires_at = now() + %(ttl)s,
+    response_status = %(response_status)s,
+    response_headers = %(response_headers)s,
+    response_body = %(response_body)s
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s
+  AND status <> 'completed'
+RETURNING {notify}
+"""
+
+SCHEMA_PRESENT = "SELECT count(to_regclass(name)) FROM unnest(%(names)s::text[]) AS name"
+
+DELETE_EXPIRED = """
+WITH doomed AS (
+    SELECT tenant, key FROM {table}
+    WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {table} AS k USING doomed
+WHERE k.tenant = doomed.tenant AND k.key = doomed.key
+"""
+
+COUNT_EXPIRED = """
+SELECT count(*) FROM {table}
+WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+"""
+
+MARK_ABANDONED = """
+WITH stale AS (
+    SELECT tenant, key FROM {table}
+    WHERE status = 'processing' AND locked_until <= now() - %(margin)s
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET status = %(status)s, locked_until = NULL, updated_at = now()
+FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+"""
+
+COUNT_ABANDONED = """
+SELECT count(*) FROM {table}
+WHERE status = 'processing' AND locked_until <= now() - %(margin)s
+"""
+
+
+class PostgresStore:
+    """Owns the per-process connection pool and runs every statement of the extension.
+
+    The pool is created on first use in each process, so nothing is opened before
+    gunicorn forks its workers; a pool inherited through ``fork()`` is left alone
+    (it belongs to the parent) and a new one is made.
+    """
+
+    def __init__(self, settings: Settings, pool: ConnectionPool[Any] | None = None) -> None:
+        self.settings = settings
+        self._given_pool = pool
+        self._pool: ConnectionPool[Any] | None = None
+        self._pool_pid = 0
+        self._schema_ready = False
+        self._lock = threading.Lock()
+        parts = settings.table.split(".")
+        self.table = sql.Identifier(*parts)
+        schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
+        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx")
+        self._qualified = [settings.table] + [schema + i for i in self._index_names]
+        #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
+        self.channel = f"{name}_finished"[:63]
+        self._claim = sql.SQL(CLAIM).format(table=self.table)
+        notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
+            sql.Literal(self.channel)
+        )
+        self._finish = sql.SQL(FINISH).format(table=self.table, notify=sql.SQL("1"))
+        self._finish_notify = sql.SQL(FINISH).format(table=self.table, notify=notify)
+
+    # -- connections ---------------------------------------------------------------
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """This process's pool, opened on first use."""
+        if self._given_pool is not None:
+            return self._given_pool
+        pool = self._pool
+        if pool is not None and self._pool_pid == os.getpid():
+            return pool
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = self._open_pool()
+                self._pool_pid = os.getpid()
+                self._schema_ready = False
+            return self._pool
+
+    def _open_pool(self) -> ConnectionPool[Any]:
+        settings = self.settings
+        pool: ConnectionPool[Any] = ConnectionPool(
+            settings.database_url or "",
+            min_size=settings.pool_min_size,
+            max_size=settings.pool_max_size,
+            timeout=settings.pool_timeout,
+            kwargs={
+                "autocommit": True,
+                # 0: prepare every statement at once; None: never (PgBouncer < 1.21)
+                "prepare_threshold": 0 if settings.prepared_statements else None,
+            },
+            name="flask-idempotency",
+            open=False,
+        )
+        pool.open(wait=False)
+        atexit.register(pool.close)
+        return pool
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
+        """A pooled connection for one unit of work; store failures become StoreError."""
+        pool = self.pool
+        if not self._schema_ready and self.settings.create_table:
+            self._ensure_schema(pool)
+        try:
+            with pool.connection() as conn:
+                yield conn
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+
+    def close(self) -> None:
+        """Close the pool this store opened (a pool passed in is the caller's to close)."""
+        with self._lock:
+            if self._pool is not None and self._pool_pid == os.getpid():
+                self._pool.close()
+            self._pool = None
+
+    # -- schema --------------------------------------------------------------------
+
+    def _ensure_schema(self, pool: ConnectionPool[Any]) -> None:
+        with self._lock:
+            if self._schema_ready:
+                return
+            self._schema_ready = False
+            try:
+                with pool.connection() as conn:
+                    self.create_schema(conn)
+            except PoolTimeout as exc:
+                raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+            except psycopg.Error as exc:
+                raise StoreError(f"creating the schema failed: {exc}") from exc
+            self._schema_ready = True
+
+    def create_schema(self, conn: psycopg.Connection[Any]) -> bool:
+        """Create the table and its indexes if any is missing; True if DDL ran.
+
+        Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
+        when the index exists, which would queue behind live claims.
+        """
+        if self._schema_present(conn):
+            return False
+        with conn.transaction():
+            # Workers starting together must not race on CREATE TABLE IF NOT EXISTS.
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.settings.table)]
+            )
+            if self._schema_present(conn):
+                return False
+            conn.execute(
+                sql.SQL(SCHEMA).format(
+                    table=self.table,
+                    expires_index=sql.Identifier(self._index_names[0]),
+                    lease_index=sql.Identifier(self._index_names[1]),
+                )
+            )
+        logger.info("created table %s and its indexes", self.settings.table)
+        return True
+
+    def _schema_present(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}).fetchone()
+        return row is not None and row[0] == len(self._qualified)
+
+    # -- the request path ----------------------------------------------------------
+
+    def claim(
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        on_abandoned: OnAbandoned,
+    ) -> ClaimOutcome:
+        """Decide what this request does with *key*, and claim it if the view must run."""
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "fingerprint": fingerprint,
+            "lock_id": lock_id(tenant, key),
+            "lease": lease,
+            "ttl": ttl,
+            "on_abandoned": "taken_over" if on_abandoned == "retry" else "marked_unknown",
+        }
+        with self.connection() as conn:
+            row = conn.execute(self._claim, params).fetchone()
+        assert row is not None
+        (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
+        decision = Decision(intent)
+        if decision in (Decision.CLAIMED, Decision.TAKEN_OVER):
+            if attempt is None:  # a twin holds the lock, or won the race to the row
+                return ClaimOutcome(Decision.IN_PROGRESS)
+            return ClaimOutcome(
+                decision,
+                attempt=attempt,
+                generation=generation,
+                recovery_point=point,
+                previous_attempt=seen_attempt or 0,
+                previous_status=KeyStatus(seen_status) if seen_status else None,
+            )
+        if decision is Decision.MARKED_UNKNOWN and not marked:
+            return ClaimOutcome(Decision.IN_PROGRESS)
+        if decision is Decision.REPLAY:
+            status, headers, body = row[7:10]
+            response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
+            return ClaimOutcome(decision, attempt=seen_attempt, response=response)
+        return ClaimOutcome(decision, attempt=seen_attempt or 0)
+
+    def finish(
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        status: KeyStatus,
+        *,
+        ttl: timedelta,
+        response: StoredResponse | None = None,
+        notify: bool = False,
+    ) -> bool:
+        """End the attempt *outcome* with *status*; False if a newer attempt owns the key."""
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "attempt": outcome.attempt,
+            "generation": outcome.generation,
+            "status": status.value,
+            "ttl": ttl,
+            "response_status": response.status if response else None,
+            "response_headers": Jsonb(response.headers) if response else None,
+            "response_body": response.body if response else None,
+            "lock_id": lock_id(tenant, key),
+        }
+        with self.connection() as conn:
+            cur = conn.execute(self._finish_notify if notify else self._finish, params)
+            return cur.rowcount == 1
+
+    # -- maintenance ---------------------------------------------------------------
+
+    def delete_expired(self, batch_size: int) -> int:
+        """Delete one batch of finished keys past ``expires_at``; the number deleted."""
+        with self.connection() as conn:
+            cur = conn.execute(
+                sql.SQL(DELETE_EXPIRED).format(table=self.table), {"batch": batch_size}
+            )
+            return cur.rowcount
+
+    def count_expired(self) -> int:
+        """How many finished keys are past ``expires_at``."""
+        return self._count(COUNT_EXPIRED, {})
+
+    def mark_abandoned(self, margin: timedelta, status: KeyStatus, batch_size: int) -> int:
+        """Mark one batch of claims whose lease ended more than *margin* ago."""
+        params = {"margin": margin, "status": status.value, "batch": batch_size}
+        with self.connection() as conn:
+            cur = conn.execute(sql.SQL(MARK_ABANDONED).format(table=self.table), params)
+            return cur.rowcount
+
+    def count_abandoned(self, margin: timedelta) -> int:
+        """How many claims have had their lease end more than *margin* ago."""
+        return self._count(COUNT_ABANDONED, {"margin": margin})
+
+    def _count(self, query: str, params: dict[str, Any]) -> int:
+        with self.connection() as conn:
+            row = conn.execute(sql.SQL(query).format(table=self.table), params).fetchone()
+        return int(row[0]) if row else 0

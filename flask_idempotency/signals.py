@@ -1,0 +1,51 @@
+"""Blinker signals, one per decision. The sender is always the Flask app; every
+signal also passes ``tenant`` and ``key`` (``key`` is ``None`` when the request had
+no usable key)."""
+
+from __future__ import annotations
+
+from blinker import Namespace
+
+_signals = Namespace()
+
+#: A fresh key was claimed and the view is about to run. Kwargs: ``tenant``,
+#: ``key``, ``attempt``.
+claimed = _signals.signal("idempotency-claimed")
+
+#: A retryable key (released earlier) was claimed again. Kwargs: ``tenant``, ``key``,
+#: ``attempt``.
+retried = _signals.signal("idempotency-retried")
+
+#: A claim whose lease ran out was taken over; the view runs again. Kwargs:
+#: ``tenant``, ``key``, ``attempt`` (the new one), ``previous_attempt``.
+abandoned_taken_over = _signals.signal("idempotency-abandoned-taken-over")
+
+#: A claim whose lease ran out was marked ``unknown`` (``IDEMPOTENCY_ON_ABANDONED =
+#: "unknown"``). Kwargs: ``tenant``, ``key``, ``attempt``.
+abandoned_marked_unknown = _signals.signal("idempotency-abandoned-marked-unknown")
+
+#: A stored response was replayed. Kwargs: ``tenant``, ``key``, ``attempt``,
+#: ``status`` (the replayed status code).
+replayed = _signals.signal("idempotency-replayed")
+
+#: The key is held by a request in progress, or is ``unknown``: answered 409.
+#: Kwargs: ``tenant``, ``key``, ``reason`` (``"in_progress"`` or ``"unknown"``),
+#: ``waited`` (seconds spent waiting for the twin).
+conflict = _signals.signal("idempotency-conflict")
+
+#: The key was used before for a different request: answered 422. Kwargs:
+#: ``tenant``, ``key``.
+mismatch = _signals.signal("idempotency-mismatch")
+
+#: The view's response was stored for replay. Kwargs: ``tenant``, ``key``,
+#: ``attempt``, ``status``, ``stored`` (False when a newer attempt owned the key).
+stored = _signals.signal("idempotency-stored")
+
+#: The attempt ended without a stored response: the key is ``retryable`` (or
+#: ``unknown``, per ``IDEMPOTENCY_ON_EXCEPTION``). Kwargs: ``tenant``, ``key``,
+#: ``attempt``, ``status`` (the key's new status), ``reason``.
+released = _signals.signal("idempotency-released")
+
+#: The store could not be reached. Kwargs: ``tenant``, ``key``, ``error``,
+#: ``fail_open`` (True when the view ran unprotected).
+store_unavailable = _signals.signal("idempotency-store-unavailable")

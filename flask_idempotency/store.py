@@ -1,0 +1,63 @@
+"""The store's data types: what a key's row says and what a claim decided. No SQL."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class KeyStatus(str, enum.Enum):
+    """The states of a key; see the state machine in the README."""
+
+    #: a request holds the key and its view is running (until ``locked_until``)
+    PROCESSING = "processing"
+    #: the response is stored and every retry replays it
+    COMPLETED = "completed"
+    #: the attempt ended without effect; the next request with the key runs the view
+    RETRYABLE = "retryable"
+    #: the attempt may or may not have had an effect; an operator must resolve it
+    UNKNOWN = "unknown"
+
+
+class Decision(str, enum.Enum):
+    """What the claim decided for one request."""
+
+    CLAIMED = "claimed"  #: a fresh key: run the view
+    TAKEN_OVER = "taken_over"  #: a retryable or abandoned key: run the view again
+    REPLAY = "replay"  #: completed: send the stored response
+    MISMATCH = "mismatch"  #: the key belongs to another request
+    IN_PROGRESS = "in_progress"  #: a twin holds the key right now
+    UNKNOWN = "unknown"  #: the key is in ``unknown``
+    MARKED_UNKNOWN = "marked_unknown"  #: abandoned, and now marked ``unknown``
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredResponse:
+    """A response as stored for replay: status, headers (in order) and body bytes."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimOutcome:
+    """The answer of one claim.
+
+    ``attempt`` and ``generation`` identify the attempt that holds the key; the
+    completion is fenced by both. ``generation`` changes only when an expired key
+    is used afresh, so it is the same across takeovers.
+    """
+
+    decision: Decision
+    attempt: int = 0
+    generation: int = 0
+    recovery_point: str = "started"
+    previous_attempt: int = 0
+    previous_status: KeyStatus | None = None
+    response: StoredResponse | None = None
+
+    @property
+    def owns_key(self) -> bool:
+        """True when this request holds the key and must run the view."""
+        return self.decision in (Decision.CLAIMED, Decision.TAKEN_OVER)
