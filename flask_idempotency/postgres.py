@@ -301,7 +301,8 @@ class PostgresStore:
                     table=self.table,
                     expires_index=sql.Identifier(self._index_names[0]),
                     lease_index=sql.Identifier(self._index_names[1]),
-                )
+                ),
+                prepare=False,
             )
         logger.info("created table %s and its indexes", self.settings.table)
         return True
