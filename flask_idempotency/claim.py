@@ -27,6 +27,8 @@ class ClaimedKey:
         outcome: ClaimOutcome,
         settings: RouteSettings,
         store: PostgresStore,
+        *,
+        protected: bool = True,
     ) -> None:
         #: the tenant the key belongs to (``""`` without a tenant loader)
         self.tenant = tenant
@@ -35,6 +37,8 @@ class ClaimedKey:
         self.outcome = outcome
         self.settings = settings
         self.store = store
+        #: False when the store was down and the view runs unprotected (fail-open)
+        self.protected = protected
         #: set by :meth:`release`
         self.released = False
         #: an unhandled exception raised by the view, if any

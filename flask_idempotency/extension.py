@@ -203,6 +203,8 @@ class Idempotency:
                     key,
                     exc,
                 )
+                outcome = ClaimOutcome(Decision.CLAIMED, attempt=1)
+                set_claim(ClaimedKey(tenant, key, outcome, settings, state.store, protected=False))
                 return None
             logger.error("decision=store_unavailable tenant=%r key=%r error=%s", tenant, key, exc)
             raise _problem(
@@ -355,7 +357,7 @@ def _record_exception(sender: Flask, exception: BaseException, **_: Any) -> None
 
 def _after_request(response: Response) -> Response:
     claim = pop_claim()
-    if claim is None:
+    if claim is None or not claim.protected:
         return response
     return _finish(claim, response)
 
@@ -365,7 +367,7 @@ def _teardown_request(exc: BaseException | None) -> None:
     # after_request: the exception propagated (PROPAGATE_EXCEPTIONS, testing) or
     # another hook failed. Apply the exception policy with Flask's default 500.
     claim = pop_claim()
-    if claim is not None:
+    if claim is not None and claim.protected:
         claim.exception = claim.exception or exc or RuntimeError("no response was produced")
         _finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
 

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from pgserver import PostgresServer
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import TupleRow
+
+#: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
+#: throwaway one; only the database ``idempotency_test`` on it is (re)created and used.
+DATABASE_URL_ENV = "IDEMPOTENCY_TEST_DATABASE_URL"
+TEST_DATABASE = "idempotency_test"
+
+
+def with_dbname(conninfo: str, dbname: str) -> str:
+    """``conninfo`` (a URL or key=value string) pointing at database ``dbname`` instead."""
+    if not conninfo.startswith(("postgresql://", "postgres://")):
+        return make_conninfo(conninfo, dbname=dbname)
+    parts = urlsplit(conninfo)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "dbname"]
+    path = "/" + quote(dbname, safe="")
+    return urlunsplit(parts._replace(path=path, query=urlencode(query)))
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer | None]:
+    """A throwaway server for the session, or None when DATABASE_URL_ENV names an external one."""
+    if os.environ.get(DATABASE_URL_ENV):
+        yield None
+        return
+    server = PostgresServer(tmp_path_factory.mktemp("postgres") / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_server: PostgresServer | None) -> str:
+    """URL of a freshly created, empty database ``idempotency_test``."""
+    base_url = postgres_server.url if postgres_server is not None else os.environ[DATABASE_URL_ENV]
+    # Connect to the URL's own database to (re)create the test database, unless that is the
+    # test database itself (which cannot be dropped while connected to it).
+    admin_url = base_url
+    if conninfo_to_dict(base_url).get("dbname") == TEST_DATABASE:
+        admin_url = with_dbname(base_url, "postgres")
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        name = sql.Identifier(TEST_DATABASE)
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(name))
+    return with_dbname(base_url, TEST_DATABASE)
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[TupleRow]]:
+    """An autocommit connection to the test database, closed after the test."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
+# -- the app under test --------------------------------------------------------------------
+
+import threading  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+from flask import Flask  # noqa: E402
+from testapp import create_app  # noqa: E402
+
+
+@pytest.fixture
+def make_app(database_url: str) -> Iterator[Callable[..., Flask]]:
+    """Build test apps with extra config; their pools are closed after the test."""
+    apps: list[Flask] = []
+
+    def make(**config: Any) -> Flask:
+        app = create_app(config.pop("database_url", database_url), database_url, **config)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.extensions["idempotency"].store.close()
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Flask]) -> Flask:
+    return make_app()
+
+
+@pytest.fixture
+def key() -> str:
+    """A key no other test uses."""
+    return f"test-{uuid.uuid4()}"
+
+
+def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
+    """How many times a view ran for *key* (in *tenant*, or in any tenant)."""
+    query = "SELECT count(*) FROM executions WHERE key = %s"
+    params: list[str] = [key]
+    if tenant is not None:
+        query += " AND tenant = %s"
+        params.append(tenant)
+    row = db.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test: no advisory lock held by any session, no stray threads."""
+    threads_before = set(threading.enumerate())
+    yield
+    if "database_url" not in request.fixturenames:
+        return
+    url = request.getfixturevalue("database_url")
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid, objid FROM pg_locks WHERE locktype = 'advisory'"
+        ).fetchall()
+    assert rows == [], f"advisory locks left held: {rows}"
+    stray = [
+        t for t in set(threading.enumerate()) - threads_before if t.is_alive() and not t.daemon
+    ]
+    assert stray == [], f"threads left running: {stray}"

@@ -1,0 +1,191 @@
+"""One test (at least) per row of the HTTP table in SPEC §4, on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from conftest import executions
+from flask import Flask
+from flask.testing import FlaskClient
+from psycopg.rows import TupleRow
+from werkzeug.test import TestResponse
+
+PROBLEM = "application/problem+json"
+DB = psycopg.Connection[TupleRow]
+
+
+def post(
+    client: FlaskClient, path: str, key: str | None, body: Any = None, **headers: str
+) -> TestResponse:
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
+
+
+def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.data
+    assert response.mimetype == PROBLEM
+    body: dict[str, Any] = response.get_json()
+    assert body["status"] == status
+    assert body["type"].endswith(":" + slug)
+    assert body["title"] and body["detail"]
+    return body
+
+
+def test_missing_key_is_400(app: Flask, db: DB) -> None:
+    response = post(app.test_client(), "/payments", None)
+    problem(response, 400, "key-missing")
+    assert db.execute("SELECT count(*) FROM executions WHERE route = 'payments' AND key = ''")
+
+
+def test_missing_key_runs_unprotected_when_not_required(app: Flask) -> None:
+    client = app.test_client()
+    first = client.patch("/payments/1", json={})
+    second = client.patch("/payments/1", json={})
+    assert first.status_code == second.status_code == 200
+    assert first.get_json()["updated"] != second.get_json()["updated"]
+
+
+def test_invalid_key_is_400_and_view_does_not_run(app: Flask, db: DB) -> None:
+    client = app.test_client()
+    for bad in ["", "a b", "x" * 256, '"unterminated', "a,b", "ké"]:
+        problem(post(client, "/payments", bad), 400, "key-invalid")
+    row = db.execute(
+        "SELECT count(*) FROM executions WHERE route = 'payments' AND key IN ('', 'a b')"
+    )
+    assert row.fetchone() == (0,)
+
+
+def test_two_key_headers_are_400(app: Flask, key: str, db: DB) -> None:
+    response = app.test_client().post(
+        "/payments", json={}, headers=[("Idempotency-Key", key), ("Idempotency-Key", key + "x")]
+    )
+    problem(response, 400, "key-invalid")
+    assert executions(db, key) == 0
+
+
+def test_first_request_runs_the_view_once_and_retries_replay_byte_for_byte(
+    app: Flask, key: str, db: DB
+) -> None:
+    client = app.test_client()
+    first = post(client, "/payments", key)
+    assert first.status_code == 201
+    assert "Idempotent-Replayed" not in first.headers
+    replays = [post(client, "/payments", key) for _ in range(3)]
+    for replay in replays:
+        assert replay.status_code == 201
+        assert replay.data == first.data
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        for name in ("Location", "ETag", "Content-Type", "X-Custom", "Content-Length"):
+            assert replay.headers[name] == first.headers[name]
+        assert "Set-Cookie" not in replay.headers
+    assert executions(db, key) == 1
+
+
+def test_sf_string_and_bare_forms_are_the_same_key(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    first = post(client, "/payments", key)
+    replay = post(client, "/payments", f'"{key}"')
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == first.data
+    assert executions(db, key) == 1
+
+
+def test_binary_body_replays_byte_for_byte(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    first = post(client, "/binary", key)
+    replay = post(client, "/binary", key)
+    assert first.data == replay.data and len(first.data) == 272
+    assert executions(db, key) == 1
+
+
+def test_json_body_order_and_whitespace_do_not_matter(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    first = client.post("/payments", data='{"amount": 100, "currency": "eur"}', headers=headers)
+    again = client.post("/payments", data='{ "currency":"eur","amount":100 }', headers=headers)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.data == first.data
+    assert executions(db, key) == 1
+
+
+def test_same_key_different_body_is_422(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    post(client, "/payments", key, {"amount": 100})
+    problem(post(client, "/payments", key, {"amount": 999}), 422, "key-reused")
+    assert executions(db, key) == 1
+
+
+def test_same_key_other_endpoint_is_422(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    post(client, "/payments", key)
+    problem(post(client, "/binary", key), 422, "key-reused")
+    assert executions(db, key) == 1
+
+
+def test_same_key_while_processing_is_409_with_retry_after(app: Flask, key: str, db: DB) -> None:
+    entered, proceed = app.extensions["test_gates"].add(key)
+    results: dict[str, TestResponse] = {}
+    first = threading.Thread(
+        target=lambda: results.update(first=post(app.test_client(), "/payments", key, X_Gate=key))
+    )
+    first.start()
+    try:
+        assert entered.wait(10)
+        twin = post(app.test_client(), "/payments", key)
+        problem(twin, 409, "request-in-progress")
+        assert twin.headers["Retry-After"] == "1"
+    finally:
+        proceed.set()
+        first.join(10)
+    assert results["first"].status_code == 201
+    assert post(app.test_client(), "/payments", key).data == results["first"].data
+    assert executions(db, key) == 1
+
+
+def test_unknown_key_is_409_with_its_own_type(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    assert post(client, "/boom-unknown", key).status_code == 500
+    problem(post(client, "/boom-unknown", key), 409, "outcome-unknown")
+    assert executions(db, key) == 1
+
+
+def test_store_unreachable_fail_closed_is_503(
+    make_app: Callable[..., Flask], key: str, db: DB
+) -> None:
+    down = make_app(database_url=_unreachable_url(db), IDEMPOTENCY_POOL_TIMEOUT=0.5)
+    response = post(down.test_client(), "/payments", key)
+    problem(response, 503, "store-unavailable")
+    assert response.headers["Retry-After"] == "1"
+    assert executions(db, key) == 0
+
+
+def test_store_unreachable_fail_open_runs_the_view(
+    make_app: Callable[..., Flask], key: str, db: DB, caplog: Any
+) -> None:
+    down = make_app(
+        database_url=_unreachable_url(db), IDEMPOTENCY_POOL_TIMEOUT=0.5, IDEMPOTENCY_FAIL_OPEN=True
+    )
+    with caplog.at_level("WARNING", logger="flask_idempotency"):
+        response = post(down.test_client(), "/status/200", key)
+    assert response.status_code == 200
+    assert executions(db, key) == 1
+    assert "decision=fail_open" in caplog.text
+
+
+def _unreachable_url(db: DB) -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=1"
+
+
+def test_problem_bodies_are_json(app: Flask) -> None:
+    response = post(app.test_client(), "/payments", None)
+    assert json.loads(response.data)["status"] == 400

@@ -1,0 +1,177 @@
+"""The app the integration tests drive: views that count their executions in a table."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from flask import Flask, Response, request, stream_with_context
+
+from flask_idempotency import Idempotency, current_idempotency
+
+EXECUTIONS = """
+CREATE TABLE IF NOT EXISTS executions (
+    tenant text NOT NULL,
+    key text NOT NULL,
+    route text NOT NULL,
+    attempt integer NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+GATE_TIMEOUT = 20.0
+
+
+class Gates:
+    """Lets a test hold a view open: ``entered`` is set when the view starts, the
+    view then waits for ``proceed``."""
+
+    def __init__(self) -> None:
+        self.entered: dict[str, threading.Event] = {}
+        self.proceed: dict[str, threading.Event] = {}
+
+    def add(self, name: str) -> tuple[threading.Event, threading.Event]:
+        self.entered[name] = threading.Event()
+        self.proceed[name] = threading.Event()
+        return self.entered[name], self.proceed[name]
+
+    def pass_through(self, name: str | None) -> None:
+        if name is None or name not in self.entered:
+            return
+        self.entered[name].set()
+        if not self.proceed[name].wait(GATE_TIMEOUT):
+            raise TimeoutError(f"gate {name} was never opened")
+
+
+def create_app(database_url: str, executions_url: str | None = None, **config: Any) -> Flask:
+    app = Flask("testapp")
+    app.config.update(
+        {
+            "IDEMPOTENCY_DATABASE_URL": database_url,
+            "IDEMPOTENCY_POOL_TIMEOUT": 3,
+            "IDEMPOTENCY_POOL_MAX_SIZE": 8,
+            "EXECUTIONS_DATABASE_URL": executions_url or database_url,
+            **config,
+        }
+    )
+    idempotency = Idempotency(app)
+    gates = Gates()
+    app.extensions["test_gates"] = gates
+    with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(EXECUTIONS)
+
+    @idempotency.tenant_loader
+    def tenant() -> str:
+        return request.headers.get("X-Tenant", "")
+
+    def record(route: str) -> int:
+        with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO executions (tenant, key, route, attempt) VALUES (%s, %s, %s, %s)",
+                (
+                    current_idempotency.tenant,
+                    current_idempotency.key,
+                    route,
+                    current_idempotency.attempt,
+                ),
+            )
+        return current_idempotency.attempt
+
+    @app.post("/payments")
+    @idempotency.idempotent
+    def create_payment() -> tuple[dict[str, Any], int, dict[str, str]]:
+        attempt = record("payments")
+        gates.pass_through(request.headers.get("X-Gate"))
+        payment_id = str(uuid.uuid4())
+        body = {
+            "id": payment_id,
+            "amount": (request.get_json(silent=True) or {}).get("amount"),
+            "attempt": attempt,
+            "charge_key": current_idempotency.downstream_key("charge"),
+        }
+        headers = {
+            "Location": f"/payments/{payment_id}",
+            "ETag": f'"{payment_id}"',
+            "Set-Cookie": "session=secret",
+            "X-Custom": "kept",
+        }
+        return body, 201, headers
+
+    @app.patch("/payments/<payment_id>")
+    @idempotency.idempotent(required=False)
+    def update_payment(payment_id: str) -> dict[str, Any]:
+        try:
+            record("update")
+        except RuntimeError:  # no key: the view runs unprotected
+            pass
+        return {"id": payment_id, "updated": str(uuid.uuid4())}
+
+    @app.post("/status/<int:code>")
+    @idempotency.idempotent
+    def with_status(code: int) -> tuple[str, int]:
+        record(f"status-{code}")
+        return f"status {code} {uuid.uuid4()}", code
+
+    @app.post("/release")
+    @idempotency.idempotent
+    def release() -> tuple[str, int]:
+        record("release")
+        current_idempotency.release()
+        return "try again", 400
+
+    @app.post("/boom")
+    @idempotency.idempotent
+    def boom() -> str:
+        record("boom")
+        raise RuntimeError("the view failed")
+
+    @app.post("/boom-release")
+    @idempotency.idempotent(on_exception="release")
+    def boom_release() -> str:
+        record("boom-release")
+        raise RuntimeError("the view failed")
+
+    @app.post("/boom-unknown")
+    @idempotency.idempotent(on_exception="unknown")
+    def boom_unknown() -> str:
+        record("boom-unknown")
+        raise RuntimeError("the view failed")
+
+    @app.post("/stream")
+    @idempotency.idempotent
+    def stream() -> Response:
+        record("stream")
+
+        def chunks() -> Iterator[str]:
+            yield "a"
+            yield "b"
+
+        return Response(stream_with_context(chunks()))
+
+    @app.post("/big")
+    @idempotency.idempotent(max_response_bytes=1000)
+    def big() -> bytes:
+        record("big")
+        return b"x" * 1001
+
+    @app.post("/binary")
+    @idempotency.idempotent
+    def binary() -> Response:
+        record("binary")
+        return Response(bytes(range(256)) + uuid.uuid4().bytes, mimetype="application/octet-stream")
+
+    @app.post("/wait")
+    @idempotency.idempotent(wait=10)
+    def wait() -> tuple[dict[str, Any], int]:
+        attempt = record("wait")
+        gates.pass_through(request.headers.get("X-Gate"))
+        return {"id": str(uuid.uuid4()), "attempt": attempt}, 201
+
+    @app.post("/plain")
+    def plain() -> str:
+        return "plain"
+
+    return app
