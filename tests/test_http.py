@@ -21,6 +21,8 @@ DB = psycopg.Connection[TupleRow]
 def post(
     client: FlaskClient, path: str, key: str | None, body: Any = None, **headers: str
 ) -> TestResponse:
+    """POST *body* as JSON; ``X_Tenant="a"`` sends the header ``X-Tenant: a``."""
+    headers = {name.replace("_", "-"): value for name, value in headers.items()}
     if key is not None:
         headers["Idempotency-Key"] = key
     return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
