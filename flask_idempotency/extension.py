@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import time
@@ -385,7 +386,7 @@ def _finish(claim: ClaimedKey, response: Response) -> Response:
         status = KeyStatus.RETRYABLE if settings.on_exception == "release" else KeyStatus.UNKNOWN
         _end(claim, status, f"exception {type(claim.exception).__name__}")
         return response
-    if response.is_streamed:
+    if _truly_streamed(response):
         _end(claim, KeyStatus.UNKNOWN, "streamed response")
         return _not_storable(
             settings,
@@ -455,6 +456,15 @@ def _finish(claim: ClaimedKey, response: Response) -> Response:
         stored=ok,
     )
     return response
+
+
+def _truly_streamed(response: Response) -> bool:
+    """A generator body or a file passed through: storing it would change what the
+    client gets (an endless stream, a file read later). Other iterables, such as
+    Flask's own error pages, are buffered and stored."""
+    return response.is_streamed and (
+        response.direct_passthrough or inspect.isgenerator(response.response)
+    )
 
 
 def _end(claim: ClaimedKey, status: KeyStatus, reason: str) -> None:
