@@ -10,6 +10,7 @@ from typing import Any, Literal
 PREFIX = "IDEMPOTENCY_"
 
 DATABASE_URL = "IDEMPOTENCY_DATABASE_URL"
+LISTEN_DATABASE_URL = "IDEMPOTENCY_LISTEN_DATABASE_URL"
 POOL_MIN_SIZE = "IDEMPOTENCY_POOL_MIN_SIZE"
 POOL_MAX_SIZE = "IDEMPOTENCY_POOL_MAX_SIZE"
 POOL_TIMEOUT = "IDEMPOTENCY_POOL_TIMEOUT"
@@ -52,6 +53,7 @@ DEFAULT_EXCLUDED_HEADERS = (
 
 DEFAULTS: dict[str, Any] = {
     DATABASE_URL: None,
+    LISTEN_DATABASE_URL: None,
     POOL_MIN_SIZE: 1,
     POOL_MAX_SIZE: 4,
     POOL_TIMEOUT: 5.0,
@@ -131,6 +133,8 @@ class Settings:
     """Everything the extension reads from ``app.config``, converted and validated."""
 
     database_url: str | None
+    #: where waiting requests LISTEN; PgBouncer's transaction mode cannot carry LISTEN
+    listen_database_url: str | None
     pool_min_size: int
     pool_max_size: int
     pool_timeout: float
@@ -150,6 +154,9 @@ def load_settings(config: Mapping[str, Any], *, pool_given: bool = False) -> Set
             f"Set {DATABASE_URL} (e.g. 'postgresql://user@host/db') or pass a "
             "psycopg_pool.ConnectionPool to init_app(app, pool=...)."
         )
+    listen_url = config[LISTEN_DATABASE_URL]
+    if listen_url is not None and not isinstance(listen_url, str):
+        raise ConfigError(f"{LISTEN_DATABASE_URL} must be a libpq URL or conninfo string.")
     min_size = _int(config, POOL_MIN_SIZE, minimum=0)
     max_size = _int(config, POOL_MAX_SIZE, minimum=1)
     if max_size < min_size:
@@ -159,6 +166,7 @@ def load_settings(config: Mapping[str, Any], *, pool_given: bool = False) -> Set
         raise ConfigError(f"{TABLE} must be 'name' or 'schema.name', got {table!r}.")
     return Settings(
         database_url=url or None,
+        listen_database_url=listen_url or url or None,
         pool_min_size=min_size,
         pool_max_size=max_size,
         pool_timeout=_seconds(config[POOL_TIMEOUT], POOL_TIMEOUT),

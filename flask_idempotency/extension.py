@@ -56,7 +56,7 @@ class IdempotencyState:
     def waiter(self) -> CompletionWaiter:
         """This process's listener for finished keys, made on first use."""
         if self._waiter is None or self._waiter_pid != os.getpid():
-            conninfo = self.settings.database_url or self.store.pool.conninfo
+            conninfo = self.settings.listen_database_url or self.store.pool.conninfo
             if callable(conninfo):
                 conninfo = conninfo()
             self._waiter = CompletionWaiter(

@@ -1,0 +1,81 @@
+"""The claim works through PgBouncer in transaction pooling mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import executions
+from flask import Flask
+from pgbouncer import PgBouncer
+from psycopg.rows import TupleRow
+from test_concurrency import run_together
+from test_http import post
+
+DB = psycopg.Connection[TupleRow]
+
+
+@pytest.fixture(scope="module")
+def pgbouncer(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgBouncer]:
+    bouncer = PgBouncer(Path(tmp_path_factory.mktemp("pgbouncer")), database_url)
+    bouncer.start()
+    yield bouncer
+    bouncer.stop()
+
+
+@pytest.fixture
+def bounced_app(make_app: Callable[..., Flask], pgbouncer: PgBouncer, database_url: str) -> Flask:
+    return make_app(
+        database_url=pgbouncer.url,
+        # PgBouncer before 1.21 cannot carry prepared statements nor LISTEN.
+        IDEMPOTENCY_PREPARED_STATEMENTS=False,
+        IDEMPOTENCY_LISTEN_DATABASE_URL=database_url,
+        IDEMPOTENCY_POOL_MAX_SIZE=32,
+    )
+
+
+def test_through_pgbouncer_the_race_runs_the_view_once(
+    bounced_app: Flask, key: str, db: DB
+) -> None:
+    with psycopg.connect(bounced_app.config["IDEMPOTENCY_DATABASE_URL"]) as conn:
+        assert conn.info.port != db.info.port  # really through the bouncer
+    results = run_together(40, lambda: post(bounced_app.test_client(), "/payments", key))
+    assert executions(db, key) == 1
+    originals = [
+        r for r in results if r.status_code == 201 and "Idempotent-Replayed" not in r.headers
+    ]
+    assert len(originals) == 1
+    assert {r.status_code for r in results} <= {201, 409}
+    replay = post(bounced_app.test_client(), "/payments", key)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == originals[0].data
+
+
+def test_through_pgbouncer_many_keys(bounced_app: Flask, db: DB) -> None:
+    keys = [f"bounce-{i}" for i in range(20)]
+    for k in keys:
+        assert post(bounced_app.test_client(), "/payments", k).status_code == 201
+        assert (
+            post(bounced_app.test_client(), "/payments", k).headers["Idempotent-Replayed"] == "true"
+        )
+    assert all(executions(db, k) == 1 for k in keys)
+
+
+def test_through_pgbouncer_waiting_twin_is_woken(bounced_app: Flask, key: str, db: DB) -> None:
+    from test_lifecycle import _hold_first
+
+    first, proceed, results = _hold_first(bounced_app, key, "/wait")
+    twins: list[object] = []
+    import threading
+
+    twin = threading.Thread(
+        target=lambda: twins.append(post(bounced_app.test_client(), "/wait", key))
+    )
+    twin.start()
+    proceed.set()
+    first.join(10)
+    twin.join(15)
+    assert twins and twins[0].status_code == 201  # type: ignore[attr-defined]
+    assert executions(db, key) == 1
