@@ -191,3 +191,25 @@ def _unreachable_url(db: DB) -> str:
 def test_problem_bodies_are_json(app: Flask) -> None:
     response = post(app.test_client(), "/payments", None)
     assert json.loads(response.data)["status"] == 400
+
+
+def test_round_trips_two_for_a_first_request_one_for_a_replay(
+    app: Flask, key: str, monkeypatch: Any
+) -> None:
+    client = app.test_client()
+    post(client, "/payments", key + "-warm")  # the schema check and the pool warm-up
+    pool = app.extensions["idempotency"].store.pool
+    statements: list[str] = []
+    original = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_pool", None) is pool:
+            statements.append(str(query)[:40])
+        return original(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    post(client, "/payments", key)
+    assert len(statements) == 2, statements  # the claim, then the completion
+    statements.clear()
+    post(client, "/payments", key)
+    assert len(statements) == 1, statements  # the claim alone answers the replay
