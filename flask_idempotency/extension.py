@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import time
@@ -13,10 +12,10 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 from flask import Flask, Response, current_app, got_request_exception, request
 from psycopg_pool import ConnectionPool
-from werkzeug.exceptions import InternalServerError
 
 from . import signals
-from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
+from .claim import ClaimedKey, set_claim
+from .completion import after_request, record_exception, teardown_request
 from .config import DEFAULTS, RouteSettings, Settings, convert_option, load_settings
 from .errors import (
     FingerprintMismatch,
@@ -25,7 +24,6 @@ from .errors import (
     ProblemError,
     RequestInProgress,
     RequestTooLarge,
-    ResponseNotStorable,
     StoreError,
     StoreUnavailable,
 )
@@ -101,9 +99,9 @@ class Idempotency:
         app.extensions[EXTENSION_NAME] = IdempotencyState(
             self, settings, PostgresStore(settings, pool)
         )
-        app.after_request(_after_request)
-        app.teardown_request(_teardown_request)
-        got_request_exception.connect(_record_exception, app, weak=False)
+        app.after_request(after_request)
+        app.teardown_request(teardown_request)
+        got_request_exception.connect(record_exception, app, weak=False)
 
         from .cli import clean_command, init_command
 
@@ -348,167 +346,3 @@ def _replay(stored: StoredResponse, settings: RouteSettings) -> Response:
     )
     response.headers[settings.replay_header] = "true"
     return response
-
-
-def _record_exception(sender: Flask, exception: BaseException, **_: Any) -> None:
-    claim = peek_claim()
-    if claim is not None:
-        claim.exception = exception
-
-
-def _after_request(response: Response) -> Response:
-    claim = pop_claim()
-    if claim is None or not claim.protected:
-        return response
-    return _finish(claim, response)
-
-
-def _teardown_request(exc: BaseException | None) -> None:
-    # Reached with the claim still open only when no response went through
-    # after_request: the exception propagated (PROPAGATE_EXCEPTIONS, testing) or
-    # another hook failed. Apply the exception policy with Flask's default 500.
-    claim = pop_claim()
-    if claim is not None and claim.protected:
-        claim.exception = claim.exception or exc or RuntimeError("no response was produced")
-        _finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
-
-
-def _finish(claim: ClaimedKey, response: Response) -> Response:
-    """End the claim with *response*: store it, or mark the key retryable/unknown."""
-    settings = claim.settings
-    if claim.released:
-        _end(claim, KeyStatus.RETRYABLE, "released by the view")
-        return response
-    if response.status_code in settings.release_statuses:
-        _end(claim, KeyStatus.RETRYABLE, f"status {response.status_code}")
-        return response
-    if claim.exception is not None and settings.on_exception != "store":
-        status = KeyStatus.RETRYABLE if settings.on_exception == "release" else KeyStatus.UNKNOWN
-        _end(claim, status, f"exception {type(claim.exception).__name__}")
-        return response
-    if _truly_streamed(response):
-        _end(claim, KeyStatus.UNKNOWN, "streamed response")
-        return _not_storable(
-            settings,
-            "The view returned a streamed response, which cannot be stored for replay."
-            " Idempotent views must return a complete body.",
-        )
-    body = response.get_data()
-    if len(body) > settings.max_response_bytes:
-        _end(claim, KeyStatus.UNKNOWN, f"response of {len(body)} bytes")
-        return _not_storable(
-            settings,
-            f"The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES ({settings.max_response_bytes}).",
-        )
-    headers = [
-        (name, value)
-        for name, value in response.headers.items()
-        if name.lower() not in settings.excluded_headers
-    ]
-    stored = StoredResponse(response.status_code, headers, body)
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    try:
-        ok = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            KeyStatus.COMPLETED,
-            ttl=settings.ttl,
-            response=stored,
-            notify=settings.wait > 0,
-        )
-    except StoreError as exc:
-        # The client still gets its answer; the key stays in processing until its
-        # lease ends, and then IDEMPOTENCY_ON_ABANDONED decides.
-        logger.error(
-            "decision=store_failed tenant=%r key=%r attempt=%d error=%s",
-            claim.tenant,
-            claim.key,
-            claim.attempt,
-            exc,
-        )
-        signals.store_unavailable.send(
-            app, tenant=claim.tenant, key=claim.key, error=exc, fail_open=False
-        )
-        return response
-    if not ok:
-        logger.warning(
-            "decision=fenced tenant=%r key=%r attempt=%d: a newer attempt owns the key;"
-            " this response was not stored",
-            claim.tenant,
-            claim.key,
-            claim.attempt,
-        )
-    else:
-        logger.debug(
-            "decision=stored tenant=%r key=%r attempt=%d status=%d",
-            claim.tenant,
-            claim.key,
-            claim.attempt,
-            response.status_code,
-        )
-    signals.stored.send(
-        app,
-        tenant=claim.tenant,
-        key=claim.key,
-        attempt=claim.attempt,
-        status=response.status_code,
-        stored=ok,
-    )
-    return response
-
-
-def _truly_streamed(response: Response) -> bool:
-    """A generator body or a file passed through: storing it would change what the
-    client gets (an endless stream, a file read later). Other iterables, such as
-    Flask's own error pages, are buffered and stored."""
-    return response.is_streamed and (
-        response.direct_passthrough or inspect.isgenerator(response.response)
-    )
-
-
-def _end(claim: ClaimedKey, status: KeyStatus, reason: str) -> None:
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    try:
-        claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            status,
-            ttl=claim.settings.ttl,
-            notify=claim.settings.wait > 0,
-        )
-    except StoreError as exc:
-        logger.error(
-            "decision=store_failed tenant=%r key=%r attempt=%d error=%s",
-            claim.tenant,
-            claim.key,
-            claim.attempt,
-            exc,
-        )
-        signals.store_unavailable.send(
-            app, tenant=claim.tenant, key=claim.key, error=exc, fail_open=False
-        )
-        return
-    logger.log(
-        logging.WARNING if status is KeyStatus.UNKNOWN else logging.INFO,
-        "decision=%s tenant=%r key=%r attempt=%d reason=%s",
-        status.value,
-        claim.tenant,
-        claim.key,
-        claim.attempt,
-        reason,
-    )
-    signals.released.send(
-        app,
-        tenant=claim.tenant,
-        key=claim.key,
-        attempt=claim.attempt,
-        status=status.value,
-        reason=reason,
-    )
-
-
-def _not_storable(settings: RouteSettings, detail: str) -> Response:
-    error = _problem(ResponseNotStorable, settings, detail)
-    return current_app.response_class(error.get_body(), error.code, error.get_headers())
