@@ -137,5 +137,8 @@ def _truly_streamed(response: Response) -> bool:
 
 
 def _not_storable(claim: ClaimedKey, detail: str) -> Response:
-    error = ResponseNotStorable(detail, type_base=claim.settings.problem_type_base)
+    settings = claim.settings
+    error = ResponseNotStorable(
+        detail, type_base=settings.problem_type_base, error_format=settings.error_format
+    )
     return current_app.response_class(error.get_body(), error.code, error.get_headers())

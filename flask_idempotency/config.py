@@ -32,6 +32,7 @@ MAX_REQUEST_BYTES = "IDEMPOTENCY_MAX_REQUEST_BYTES"
 MAX_RESPONSE_BYTES = "IDEMPOTENCY_MAX_RESPONSE_BYTES"
 EXCLUDED_HEADERS = "IDEMPOTENCY_EXCLUDED_HEADERS"
 PROBLEM_TYPE_BASE = "IDEMPOTENCY_PROBLEM_TYPE_BASE"
+ERROR_FORMAT = "IDEMPOTENCY_ERROR_FORMAT"
 
 OnAbandoned = Literal["retry", "unknown"]
 OnException = Literal["store", "release", "unknown"]
@@ -75,6 +76,7 @@ DEFAULTS: dict[str, Any] = {
     MAX_RESPONSE_BYTES: 1024 * 1024,
     EXCLUDED_HEADERS: DEFAULT_EXCLUDED_HEADERS,
     PROBLEM_TYPE_BASE: "tag:flask-idempotency,2026:problem:",
+    ERROR_FORMAT: "problem",
 }
 
 #: Settings a route may override with ``@idempotency.idempotent(name=value)``; the
@@ -95,6 +97,7 @@ ROUTE_OPTIONS = frozenset(
         "max_request_bytes",
         "max_response_bytes",
         "excluded_headers",
+        "error_format",
     }
 )
 
@@ -121,6 +124,7 @@ class RouteSettings:
     max_request_bytes: int
     max_response_bytes: int
     excluded_headers: frozenset[str]
+    error_format: str
     problem_type_base: str
 
     def override(self, options: Mapping[str, Any]) -> RouteSettings:
@@ -208,6 +212,8 @@ def convert_option(name: str, value: Any) -> Any:
         return _int({key: value}, key, minimum=0)
     if name == "on_abandoned":
         return _choice(value, key, ("retry", "unknown"))
+    if name == "error_format":
+        return _choice(value, key, ("problem", "stripe"))
     if name == "on_exception":
         return _choice(value, key, ("store", "release", "unknown"))
     if name == "release_statuses":

@@ -39,6 +39,12 @@ class ProblemError(IdempotencyError, HTTPException):
     #: the last part of the problem's ``type`` URI, one per situation
     slug = "error"
     title = "Idempotency error"
+    #: sent as ``Stripe-Should-Retry``, the hint retrying SDKs read
+    should_retry: bool | None = None
+    #: ``error.type`` in the Stripe-compatible body (``IDEMPOTENCY_ERROR_FORMAT = "stripe"``)
+    stripe_type = "idempotency_error"
+    #: the status Stripe answers with, where it differs from ours
+    stripe_status: int | None = None
 
     def __init__(
         self,
@@ -46,10 +52,15 @@ class ProblemError(IdempotencyError, HTTPException):
         *,
         retry_after_seconds: int | None = None,
         type_base: str = DEFAULTS[PROBLEM_TYPE_BASE],
+        error_format: str = "problem",
         **extensions: Any,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
+        #: ``"problem"`` (RFC 9457) or ``"stripe"`` (``{"error": {...}}``)
+        self.error_format = error_format
+        if error_format == "stripe" and self.stripe_status is not None:
+            self.code = self.stripe_status
         #: sent as ``Retry-After`` where a retry can succeed
         self.retry_after_seconds = retry_after_seconds
         self.type_base = type_base
@@ -62,7 +73,10 @@ class ProblemError(IdempotencyError, HTTPException):
         return self.type_base + self.slug
 
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
-        """The problem object (RFC 9457) as JSON."""
+        """The problem object (RFC 9457) as JSON, or Stripe's error object."""
+        if self.error_format == "stripe":
+            error = {"type": self.stripe_type, "code": self.slug, "message": self.detail}
+            return json.dumps({"error": {**error, **self.extensions}})
         body = {
             "type": self.problem_type,
             "title": self.title,
@@ -73,10 +87,13 @@ class ProblemError(IdempotencyError, HTTPException):
         return json.dumps(body)
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
-        """``Content-Type: application/problem+json``, and ``Retry-After`` if set."""
-        headers = [("Content-Type", PROBLEM_MEDIA_TYPE)]
+        """The media type, ``Retry-After`` and ``Stripe-Should-Retry`` where they apply."""
+        media_type = "application/json" if self.error_format == "stripe" else PROBLEM_MEDIA_TYPE
+        headers = [("Content-Type", media_type)]
         if self.retry_after_seconds is not None:
             headers.append(("Retry-After", str(self.retry_after_seconds)))
+        if self.should_retry is not None:
+            headers.append(("Stripe-Should-Retry", "true" if self.should_retry else "false"))
         return headers
 
 
@@ -85,6 +102,8 @@ class MissingKey(ProblemError, BadRequest):
 
     slug = "key-missing"
     title = "Idempotency key missing"
+    should_retry = False
+    stripe_type = "invalid_request_error"
 
 
 class InvalidKey(ProblemError, BadRequest):
@@ -92,6 +111,8 @@ class InvalidKey(ProblemError, BadRequest):
 
     slug = "key-invalid"
     title = "Idempotency key invalid"
+    should_retry = False
+    stripe_type = "invalid_request_error"
 
 
 class FingerprintMismatch(ProblemError, UnprocessableEntity):
@@ -99,6 +120,8 @@ class FingerprintMismatch(ProblemError, UnprocessableEntity):
 
     slug = "key-reused"
     title = "Idempotency key reused for a different request"
+    should_retry = False
+    stripe_status = 400
 
 
 class RequestInProgress(ProblemError, Conflict):
@@ -106,6 +129,7 @@ class RequestInProgress(ProblemError, Conflict):
 
     slug = "request-in-progress"
     title = "A request with this idempotency key is in progress"
+    should_retry = True
 
 
 class OutcomeUnknown(ProblemError, Conflict):
@@ -114,6 +138,7 @@ class OutcomeUnknown(ProblemError, Conflict):
 
     slug = "outcome-unknown"
     title = "The outcome of the request with this idempotency key is unknown"
+    should_retry = False
 
 
 class StoreUnavailable(ProblemError, ServiceUnavailable):
@@ -121,6 +146,8 @@ class StoreUnavailable(ProblemError, ServiceUnavailable):
 
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+    should_retry = True
+    stripe_type = "api_error"
 
 
 class RequestTooLarge(ProblemError, RequestEntityTooLarge):
@@ -128,6 +155,8 @@ class RequestTooLarge(ProblemError, RequestEntityTooLarge):
 
     slug = "request-too-large"
     title = "Request too large for an idempotent request"
+    should_retry = False
+    stripe_type = "invalid_request_error"
 
 
 class ResponseNotStorable(ProblemError, InternalServerError):
@@ -135,3 +164,5 @@ class ResponseNotStorable(ProblemError, InternalServerError):
 
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"
+    should_retry = False
+    stripe_type = "api_error"

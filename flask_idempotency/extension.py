@@ -166,8 +166,7 @@ class Idempotency:
         try:
             key = parse_key(values, settings.header)
         except ProblemError as exc:
-            exc.type_base = settings.problem_type_base
-            raise
+            raise _problem(type(exc), settings, exc.detail) from None
         body = _request_body(settings)
         tenant = self._tenant()
         path = request.path
@@ -290,7 +289,12 @@ def _state() -> IdempotencyState:
 def _problem(
     error: type[ProblemError], settings: RouteSettings, detail: str, **kwargs: Any
 ) -> ProblemError:
-    return error(detail, type_base=settings.problem_type_base, **kwargs)
+    return error(
+        detail,
+        type_base=settings.problem_type_base,
+        error_format=settings.error_format,
+        **kwargs,
+    )
 
 
 def _log(tenant: str, key: str, outcome: ClaimOutcome, level: int) -> None:

@@ -213,3 +213,39 @@ def test_round_trips_two_for_a_first_request_one_for_a_replay(
     statements.clear()
     post(client, "/payments", key)
     assert len(statements) == 1, statements  # the claim alone answers the replay
+
+
+def test_retry_hints_for_sdks(app: Flask, key: str) -> None:
+    client = app.test_client()
+    post(client, "/payments", key)
+    mismatch = post(client, "/payments", key, {"amount": 1})
+    assert mismatch.headers["Stripe-Should-Retry"] == "false"
+    entered, proceed = app.extensions["test_gates"].add(key + "-held")
+    first = threading.Thread(
+        target=lambda: post(app.test_client(), "/payments", key + "-held", X_Gate=key + "-held")
+    )
+    first.start()
+    try:
+        assert entered.wait(10)
+        busy = post(client, "/payments", key + "-held")
+        assert busy.status_code == 409 and busy.headers["Stripe-Should-Retry"] == "true"
+    finally:
+        proceed.set()
+        first.join(10)
+
+
+def test_stripe_compatible_error_bodies(make_app: Callable[..., Flask], key: str) -> None:
+    app = make_app(IDEMPOTENCY_ERROR_FORMAT="stripe")
+    client = app.test_client()
+    post(client, "/payments", key)
+    mismatch = post(client, "/payments", key, {"amount": 1})
+    assert mismatch.status_code == 400  # as Stripe answers a reused key
+    assert mismatch.mimetype == "application/json"
+    error = mismatch.get_json()["error"]
+    assert error["type"] == "idempotency_error" and error["code"] == "key-reused"
+    assert error["message"]
+    missing = post(client, "/payments", None)
+    assert missing.status_code == 400
+    assert missing.get_json()["error"]["type"] == "invalid_request_error"
+    invalid = post(client, "/payments", "a b")
+    assert invalid.get_json()["error"]["code"] == "key-invalid"
