@@ -11,7 +11,7 @@ from flask.cli import with_appcontext
 
 from .errors import StoreError
 from .postgres import PostgresStore
-from .store import KeyStatus
+from .store import KeyStatus, StoredResponse
 
 
 def _store() -> PostgresStore:
@@ -87,3 +87,125 @@ def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
         total += done
         if done < batch_size:
             return total
+
+
+@click.command("idempotency-list", help="List keys by status and age, oldest first.")
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in KeyStatus]),
+    help="Only keys in this status (e.g. unknown, processing).",
+)
+@click.option("--tenant", help="Only keys of this tenant.")
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    default=0,
+    show_default=True,
+    help="Only keys created at least this many seconds ago.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many."
+)
+@with_appcontext
+def list_command(status: str | None, tenant: str | None, older_than: float, limit: int) -> None:
+    store = _store()
+    try:
+        rows = store.list_keys(
+            status=KeyStatus(status) if status else None,
+            tenant=tenant,
+            older_than=timedelta(seconds=older_than),
+            limit=limit,
+        )
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{'TENANT':<16} {'KEY':<40} {'STATUS':<10} {'ATTEMPT':>7} {'AGE':>10}  POINT")
+    for row in rows:
+        age = f"{row['age'].total_seconds():.0f}s"
+        click.echo(
+            f"{row['tenant'] or '-':<16} {row['key']:<40} {row['status']:<10}"
+            f" {row['attempt']:>7} {age:>10}  {row['recovery_point']}"
+        )
+    click.echo(f"{len(rows)} key(s)")
+
+
+@click.command("idempotency-show", help="Show everything stored for one key.")
+@click.argument("key")
+@click.option("--tenant", default="", help="The key's tenant (default: the empty tenant).")
+@with_appcontext
+def show_command(key: str, tenant: str) -> None:
+    store = _store()
+    try:
+        row = store.get_key(tenant, key)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if row is None:
+        raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
+    body = row.pop("response_body")
+    headers = row.pop("response_headers") or []
+    for name, value in row.items():
+        click.echo(f"{name}: {value}")
+    for name, value in headers:
+        click.echo(f"response header: {name}: {value}")
+    if body is not None:
+        text = bytes(body).decode("utf-8", "replace")
+        click.echo(f"response body ({len(body)} bytes): {text[:2000]}")
+
+
+@click.command(
+    "idempotency-resolve",
+    help="Resolve an 'unknown' key after checking what happened: as retryable (the next"
+    " request runs the view) or as completed with the response to replay.",
+)
+@click.argument("key")
+@click.option("--tenant", default="", help="The key's tenant (default: the empty tenant).")
+@click.option(
+    "--as",
+    "outcome",
+    type=click.Choice(["retryable", "completed"]),
+    required=True,
+    help="The key's new status.",
+)
+@click.option("--status", "status_code", type=click.IntRange(100, 599), help="HTTP status.")
+@click.option("--body", default="", help="Response body to replay (with --as completed).")
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    help="Response header 'Name: value' to replay; repeatable.",
+)
+@with_appcontext
+def resolve_command(
+    key: str,
+    tenant: str,
+    outcome: str,
+    status_code: int | None,
+    body: str,
+    headers: tuple[str, ...],
+) -> None:
+    store = _store()
+    response = None
+    if outcome == "completed":
+        if status_code is None:
+            raise click.UsageError("--as completed needs --status (and usually --body)")
+        pairs = []
+        for header in headers:
+            name, sep, value = header.partition(":")
+            if not sep or not name.strip():
+                raise click.UsageError(f"--header must be 'Name: value', got {header!r}")
+            pairs.append((name.strip(), value.strip()))
+        response = StoredResponse(status_code, pairs, body.encode())
+    elif status_code is not None or body or headers:
+        raise click.UsageError("--status, --body and --header go with --as completed")
+    try:
+        done = store.resolve(
+            tenant, key, KeyStatus(outcome), ttl=store.settings.route.ttl, response=response
+        )
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not done:
+        raise click.ClickException(f"no key {key!r} in status 'unknown' in tenant {tenant!r}")
+    click.echo(f"key {key!r} resolved as {outcome}")
+
+
+#: every command ``init_app`` registers on ``app.cli``
+COMMANDS = (init_command, clean_command, list_command, show_command, resolve_command)

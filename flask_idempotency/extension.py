@@ -103,10 +103,10 @@ class Idempotency:
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
 
-        from .cli import clean_command, init_command
+        from .cli import COMMANDS
 
-        app.cli.add_command(clean_command)
-        app.cli.add_command(init_command)
+        for command in COMMANDS:
+            app.cli.add_command(command)
 
     def tenant_loader(self, loader: Callable[[], str]) -> Callable[[], str]:
         """Register the function that names the tenant of the current request.

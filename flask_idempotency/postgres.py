@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import TupleRow
+from psycopg.rows import TupleRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -171,6 +171,33 @@ WITH stale AS (
 )
 UPDATE {table} AS k SET status = %(status)s, locked_until = NULL, updated_at = now()
 FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+"""
+
+LIST_KEYS = """
+SELECT tenant, key, status, attempt, recovery_point, now() - created_at AS age,
+       locked_until, expires_at, response_status
+FROM {table}
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND created_at <= now() - %(older_than)s
+ORDER BY created_at
+LIMIT %(limit)s
+"""
+
+SHOW_KEY = """
+SELECT tenant, key, status, attempt, recovery_point, encode(fingerprint, 'hex') AS fingerprint,
+       created_at, updated_at, locked_until, expires_at,
+       response_status, response_headers, response_body
+FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+# Only an ``unknown`` key is resolved by hand; anything else is the extension's.
+RESOLVE_KEY = """
+UPDATE {table}
+SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locked_until = NULL,
+    response_status = %(response_status)s, response_headers = %(response_headers)s,
+    response_body = %(response_body)s
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
 """
 
 COUNT_ABANDONED = """
@@ -409,6 +436,54 @@ class PostgresStore:
     def count_abandoned(self, margin: timedelta) -> int:
         """How many claims have had their lease end more than *margin* ago."""
         return self._count(COUNT_ABANDONED, {"margin": margin})
+
+    def list_keys(
+        self,
+        *,
+        status: KeyStatus | None,
+        tenant: str | None,
+        older_than: timedelta,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        """Keys by status and age, oldest first, for operators."""
+        params = {
+            "status": status.value if status else None,
+            "tenant": tenant,
+            "older_than": older_than,
+            "limit": limit,
+        }
+        with self.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(sql.SQL(LIST_KEYS).format(table=self.table), params).fetchall()
+
+    def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
+        """Everything stored for one key, or None."""
+        with self.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            query = sql.SQL(SHOW_KEY).format(table=self.table)
+            return cur.execute(query, {"tenant": tenant, "key": key}).fetchone()
+
+    def resolve(
+        self,
+        tenant: str,
+        key: str,
+        status: KeyStatus,
+        *,
+        ttl: timedelta,
+        response: StoredResponse | None = None,
+    ) -> bool:
+        """Resolve an ``unknown`` key as retryable, or as completed with *response*."""
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "status": status.value,
+            "ttl": ttl,
+            "response_status": response.status if response else None,
+            "response_headers": Jsonb(response.headers) if response else None,
+            "response_body": response.body if response else None,
+        }
+        with self.connection() as conn:
+            return conn.execute(sql.SQL(RESOLVE_KEY).format(table=self.table), params).rowcount == 1
 
     def _count(self, query: str, params: dict[str, Any]) -> int:
         with self.connection() as conn:

@@ -114,3 +114,77 @@ def test_a_replayed_key_survives_clean(app: Flask, key: str) -> None:
     first = post(app.test_client(), "/payments", key)
     assert app.test_cli_runner().invoke(args=["idempotency-clean"]).exit_code == 0
     assert post(app.test_client(), "/payments", key).data == first.data
+
+
+def test_operator_lists_shows_and_resolves_unknown_keys(app: Flask, key: str, db: DB) -> None:
+    client = app.test_client()
+    assert post(client, "/boom-unknown", key).status_code == 500
+    runner = app.test_cli_runner()
+
+    listed = runner.invoke(args=["idempotency-list", "--status", "unknown"])
+    assert listed.exit_code == 0 and key in listed.output
+    assert key not in runner.invoke(args=["idempotency-list", "--status", "completed"]).output
+
+    shown = runner.invoke(args=["idempotency-show", key])
+    assert shown.exit_code == 0
+    assert "status: unknown" in shown.output and "attempt: 1" in shown.output
+
+    # Resolved as completed: retries replay what the operator set.
+    resolved = runner.invoke(
+        args=[
+            "idempotency-resolve",
+            key,
+            "--as",
+            "completed",
+            "--status",
+            "201",
+            "--body",
+            '{"resolved": true}',
+            "--header",
+            "Content-Type: application/json",
+        ]
+    )
+    assert resolved.exit_code == 0, resolved.output
+    replay = post(client, "/boom-unknown", key)
+    assert replay.status_code == 201 and replay.get_json() == {"resolved": True}
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    # Only unknown keys can be resolved.
+    again = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
+    assert again.exit_code == 1 and "no key" in again.output
+
+
+def test_operator_resolves_as_retryable(app: Flask, key: str) -> None:
+    client = app.test_client()
+    post(client, "/boom-unknown", key)
+    result = app.test_cli_runner().invoke(args=["idempotency-resolve", key, "--as", "retryable"])
+    assert result.exit_code == 0
+    assert post(client, "/boom-unknown", key).status_code == 500  # ran again
+
+
+def test_operator_commands_reject_bad_arguments(app: Flask, key: str) -> None:
+    runner = app.test_cli_runner()
+    cases = [
+        (["idempotency-resolve", key, "--as", "completed"], 2, "--status"),
+        (["idempotency-resolve", key, "--as", "retryable", "--status", "200"], 2, "--as completed"),
+        (["idempotency-resolve", key, "--as", "done"], 2, "--as"),
+        (
+            [
+                "idempotency-resolve",
+                key,
+                "--as",
+                "completed",
+                "--status",
+                "200",
+                "--header",
+                "nocolon",
+            ],
+            2,
+            "Name: value",
+        ),
+        (["idempotency-show", "no-such-key"], 1, "no key"),
+        (["idempotency-list", "--status", "weird"], 2, "--status"),
+    ]
+    for args, code, text in cases:
+        result = runner.invoke(args=args)
+        assert result.exit_code == code, (args, result.output)
+        assert text in result.output and "Traceback" not in result.output
