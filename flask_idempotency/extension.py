@@ -188,6 +188,7 @@ class Idempotency:
         started = time.monotonic()
         try:
             outcome = claim()
+            claim_seconds = time.monotonic() - started
             if outcome.decision is Decision.IN_PROGRESS and settings.wait > 0:
                 outcome = _wait_for_twin(state, settings, lock_id(tenant, key), claim)
         except StoreError as exc:
@@ -213,36 +214,35 @@ class Idempotency:
             ) from exc
 
         decision = outcome.decision
+        who: dict[str, Any] = {"tenant": tenant, "key": key, "claim_seconds": claim_seconds}
         log = functools.partial(_log, tenant, key, outcome)
         if outcome.owns_key:
             set_claim(ClaimedKey(tenant, key, outcome, settings, state.store))
             if decision is Decision.CLAIMED:
-                signals.claimed.send(app, tenant=tenant, key=key, attempt=outcome.attempt)
+                signals.claimed.send(app, **who, attempt=outcome.attempt)
             elif outcome.previous_status is KeyStatus.PROCESSING:
                 signals.abandoned_taken_over.send(
                     app,
-                    tenant=tenant,
-                    key=key,
+                    **who,
                     attempt=outcome.attempt,
                     previous_attempt=outcome.previous_attempt,
                 )
             else:
-                signals.retried.send(app, tenant=tenant, key=key, attempt=outcome.attempt)
+                signals.retried.send(app, **who, attempt=outcome.attempt)
             log(logging.INFO if outcome.attempt > 1 else logging.DEBUG)
             return None
         if decision is Decision.REPLAY:
             assert outcome.response is not None
             signals.replayed.send(
                 app,
-                tenant=tenant,
-                key=key,
+                **who,
                 attempt=outcome.attempt,
                 status=outcome.response.status,
             )
             log(logging.DEBUG)
             return _replay(outcome.response, settings)
         if decision is Decision.MISMATCH:
-            signals.mismatch.send(app, tenant=tenant, key=key)
+            signals.mismatch.send(app, **who)
             log(logging.INFO)
             raise _problem(
                 FingerprintMismatch,
@@ -252,7 +252,7 @@ class Idempotency:
             )
         waited = time.monotonic() - started
         if decision is Decision.IN_PROGRESS:
-            signals.conflict.send(app, tenant=tenant, key=key, reason="in_progress", waited=waited)
+            signals.conflict.send(app, **who, reason="in_progress", waited=waited)
             log(logging.INFO)
             raise _problem(
                 RequestInProgress,
@@ -262,10 +262,8 @@ class Idempotency:
                 retry_after_seconds=settings.retry_after,
             )
         if decision is Decision.MARKED_UNKNOWN:
-            signals.abandoned_marked_unknown.send(
-                app, tenant=tenant, key=key, attempt=outcome.attempt
-            )
-        signals.conflict.send(app, tenant=tenant, key=key, reason="unknown", waited=waited)
+            signals.abandoned_marked_unknown.send(app, **who, attempt=outcome.attempt)
+        signals.conflict.send(app, **who, reason="unknown", waited=waited)
         log(logging.WARNING)
         raise _problem(
             OutcomeUnknown,

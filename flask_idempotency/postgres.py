@@ -60,6 +60,8 @@ CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at)
     WHERE status IN ('completed', 'retryable');
 CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (locked_until)
     WHERE status = 'processing';
+CREATE INDEX IF NOT EXISTS {unknown_index} ON {table} (created_at)
+    WHERE status = 'unknown';
 """
 
 # Reads the row with the statement's snapshot and decides; only when the request
@@ -200,6 +202,11 @@ SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locke
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
 """
 
+COUNT_STUCK = """
+SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
+       (SELECT count(*) FROM {table} WHERE status = 'unknown')
+"""
+
 COUNT_ABANDONED = """
 SELECT count(*) FROM {table}
 WHERE status = 'processing' AND locked_until <= now() - %(margin)s
@@ -224,7 +231,7 @@ class PostgresStore:
         parts = settings.table.split(".")
         self.table = sql.Identifier(*parts)
         schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
-        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx")
+        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
         self._qualified = [settings.table] + [schema + i for i in self._index_names]
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
@@ -328,6 +335,7 @@ class PostgresStore:
                     table=self.table,
                     expires_index=sql.Identifier(self._index_names[0]),
                     lease_index=sql.Identifier(self._index_names[1]),
+                    unknown_index=sql.Identifier(self._index_names[2]),
                 ),
                 prepare=False,
             )
@@ -484,6 +492,13 @@ class PostgresStore:
         }
         with self.connection() as conn:
             return conn.execute(sql.SQL(RESOLVE_KEY).format(table=self.table), params).rowcount == 1
+
+    def count_stuck(self) -> tuple[int, int]:
+        """Claims whose lease ran out, and keys in ``unknown``."""
+        with self.connection() as conn:
+            row = conn.execute(sql.SQL(COUNT_STUCK).format(table=self.table)).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1])
 
     def _count(self, query: str, params: dict[str, Any]) -> int:
         with self.connection() as conn:

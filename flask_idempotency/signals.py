@@ -1,6 +1,7 @@
 """Blinker signals, one per decision. The sender is always the Flask app; every
-signal also passes ``tenant`` and ``key`` (``key`` is ``None`` when the request had
-no usable key)."""
+signal passes ``tenant`` and ``key``, and the decisions taken by the claim
+(``claimed``, ``retried``, ``abandoned_*``, ``replayed``, ``conflict``, ``mismatch``)
+also pass ``claim_seconds``, the time the claim statement took."""
 
 from __future__ import annotations
 
