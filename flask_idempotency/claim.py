@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import TYPE_CHECKING, cast
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
+import psycopg
 from flask import g
 from werkzeug.local import LocalProxy
 
@@ -29,6 +33,7 @@ class ClaimedKey:
         store: PostgresStore,
         *,
         protected: bool = True,
+        pinned: psycopg.Connection[Any] | None = None,
     ) -> None:
         #: the tenant the key belongs to (``""`` without a tenant loader)
         self.tenant = tenant
@@ -43,6 +48,9 @@ class ClaimedKey:
         self.released = False
         #: an unhandled exception raised by the view, if any
         self.exception: BaseException | None = None
+        #: the connection held for a ``transactional=True`` view, inside the claim's
+        #: open transaction
+        self.pinned = pinned
 
     @property
     def attempt(self) -> int:
@@ -51,8 +59,46 @@ class ClaimedKey:
 
     @property
     def recovery_point(self) -> str:
-        """The last committed phase of this key (``"started"`` on a fresh key)."""
+        """The name of the last committed phase (``"started"`` on a fresh key)."""
         return self.outcome.recovery_point
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The claim's psycopg connection, inside its open transaction (views decorated
+        with ``transactional=True`` only). The view's writes on it commit together with
+        the stored response, once; do not commit or roll back yourself."""
+        if self.pinned is None:
+            raise RuntimeError(
+                "current_idempotency.connection exists only in views decorated with"
+                " @idempotency.idempotent(transactional=True); use"
+                " current_idempotency.phase(name) for committed steps in other views."
+            )
+        return self.pinned
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[psycopg.Connection[Any]]:
+        """Run a block in one transaction on a pooled connection that commits the
+        block's writes together with ``recovery_point = name``, fenced by the attempt.
+
+        An attempt that takes the key over after a crash sees the last committed
+        :attr:`recovery_point` and can resume from there::
+
+            if current_idempotency.recovery_point == "started":
+                with current_idempotency.phase("payment_created") as conn:
+                    conn.execute("INSERT INTO payments ...")
+
+        :raises AttemptSuperseded: another attempt owns the key; nothing commits.
+        """
+        if self.pinned is not None:
+            raise RuntimeError(
+                "a transactional view is one transaction already; phases are for views"
+                " without transactional=True"
+            )
+        with self.store.phase(
+            self.tenant, self.key, self.outcome, name, lease=self.settings.lease
+        ) as conn:
+            yield conn
+        self.outcome = dataclasses.replace(self.outcome, recovery_point=name)
 
     def release(self) -> None:
         """End this attempt as retryable: nothing happened, a retry may run the view

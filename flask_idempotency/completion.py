@@ -15,7 +15,7 @@ from werkzeug.exceptions import InternalServerError
 
 from . import signals
 from .claim import ClaimedKey, peek_claim, pop_claim
-from .errors import ResponseNotStorable, StoreError
+from .errors import ResponseNotStorable, StoreError, StoreUnavailable
 from .store import KeyStatus, StoredResponse
 
 logger = logging.getLogger("flask_idempotency")
@@ -44,10 +44,14 @@ def teardown_request(exc: BaseException | None) -> None:
     if claim is not None and claim.protected:
         claim.exception = claim.exception or exc or RuntimeError("no response was produced")
         finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
+    elif claim is not None and claim.pinned is not None:
+        _end_transaction(claim, None)
 
 
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """Store *response* for *claim*, or mark the key; returns what the client gets."""
+    if claim.pinned is not None:
+        return _finish_transaction(claim, response)
     settings = claim.settings
     if claim.released:
         _write(claim, KeyStatus.RETRYABLE, "released by the view")
@@ -73,13 +77,97 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
             claim,
             f"The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES ({settings.max_response_bytes}).",
         )
-    headers = [
-        (name, value)
-        for name, value in response.headers.items()
-        if name.lower() not in settings.excluded_headers
-    ]
-    _write(claim, KeyStatus.COMPLETED, "", StoredResponse(response.status_code, headers, body))
+    _write(claim, KeyStatus.COMPLETED, "", _stored(response, settings.excluded_headers))
     return response
+
+
+def _finish_transaction(claim: ClaimedKey, response: Response) -> Response:
+    """A transactional view: commit its writes with the stored response, or nothing."""
+    settings = claim.settings
+    reason = _rollback_reason(claim, response)
+    if reason is not None:
+        _end_transaction(claim, None, reason)
+        if reason in ("streamed response", "response too large"):
+            return _not_storable(
+                claim, f"The view's response cannot be stored ({reason}); nothing was committed."
+            )
+        return response
+    stored = _stored(response, settings.excluded_headers)
+    if _end_transaction(claim, stored, "stored"):
+        return response
+    # Nothing committed: the client must not be told the work was done.
+    error = StoreUnavailable(
+        "The result could not be committed; nothing was done. Retry the request.",
+        retry_after_seconds=settings.retry_after,
+        type_base=settings.problem_type_base,
+        error_format=settings.error_format,
+    )
+    return current_app.response_class(error.get_body(), error.code, error.get_headers())
+
+
+def _rollback_reason(claim: ClaimedKey, response: Response) -> str | None:
+    if claim.released:
+        return "released by the view"
+    if response.status_code in claim.settings.release_statuses:
+        return f"status {response.status_code}"
+    if claim.exception is not None:
+        return f"exception {type(claim.exception).__name__}"
+    if _truly_streamed(response):
+        return "streamed response"
+    if len(response.get_data()) > claim.settings.max_response_bytes:
+        return "response too large"
+    return None
+
+
+def _end_transaction(
+    claim: ClaimedKey, stored: StoredResponse | None, reason: str = "no response"
+) -> bool:
+    """Commit the pinned transaction with *stored*, or roll it back (``stored=None``).
+    True if the response committed."""
+    conn, claim.pinned = claim.pinned, None
+    assert conn is not None
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    who: dict[str, Any] = {"tenant": claim.tenant, "key": claim.key, "attempt": claim.attempt}
+    wait = claim.settings.wait > 0
+    try:
+        if stored is not None:
+            try:
+                claim.store.finish(
+                    claim.tenant,
+                    claim.key,
+                    claim.outcome,
+                    KeyStatus.COMPLETED,
+                    ttl=claim.settings.ttl,
+                    response=stored,
+                    notify=wait,
+                    conn=conn,
+                )
+            except StoreError:
+                claim.store.unpin(conn, commit=False)  # returns the connection in any case
+                raise
+            claim.store.unpin(conn, commit=True)
+        else:
+            claim.store.unpin(conn, commit=False)
+            if wait:  # twins waiting on this key may claim it now
+                claim.store.notify(claim.tenant, claim.key)
+    except StoreError as exc:
+        logger.error("decision=store_failed %s error=%s", _fields(who), exc)
+        signals.store_unavailable.send(
+            app, tenant=claim.tenant, key=claim.key, error=exc, fail_open=False
+        )
+        return False
+    if stored is not None:
+        logger.debug("decision=stored %s status=%d transactional", _fields(who), stored.status)
+        signals.stored.send(app, **who, status=stored.status, stored=True)
+        return True
+    logger.info("decision=rolled_back %s reason=%s", _fields(who), reason)
+    signals.released.send(app, **who, status="rolled_back", reason=reason)
+    return False
+
+
+def _stored(response: Response, excluded: frozenset[str]) -> StoredResponse:
+    headers = [(n, v) for n, v in response.headers.items() if n.lower() not in excluded]
+    return StoredResponse(response.status_code, headers, response.get_data())
 
 
 def _write(

@@ -33,6 +33,11 @@ class StoreError(IdempotencyError):
     """The store (PostgreSQL) could not be reached or failed; wraps the driver's error."""
 
 
+class AttemptSuperseded(IdempotencyError):
+    """This attempt no longer owns its key: its lease ran out and another attempt took
+    over. Raised by ``current_idempotency.phase()``; nothing of the phase commits."""
+
+
 class ProblemError(IdempotencyError, HTTPException):
     """An error answered to the client as an RFC 9457 problem."""
 

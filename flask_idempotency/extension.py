@@ -121,14 +121,25 @@ class Idempotency:
     def idempotent(self, view: Callable[P, R]) -> Callable[P, R]: ...
 
     @overload
-    def idempotent(self, **options: Any) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+    def idempotent(
+        self, *, transactional: bool = False, **options: Any
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
-    def idempotent(self, view: Callable[P, R] | None = None, **options: Any) -> Any:
+    def idempotent(
+        self, view: Callable[P, R] | None = None, *, transactional: bool = False, **options: Any
+    ) -> Any:
         """Make a view idempotent: ``@idempotency.idempotent`` or, with per-route
         options, ``@idempotency.idempotent(ttl=timedelta(days=7), required=False)``.
 
         Each option means what the config key of the same name means
         (``ttl`` is ``IDEMPOTENCY_TTL``); options are checked here, at import time.
+
+        :param transactional: for views whose work is local to PostgreSQL: the claim's
+            connection stays pinned for the whole view as
+            ``current_idempotency.connection``, in the claim's open transaction, and
+            the view's writes commit together with the stored response, once. An
+            exception or a dead worker commits nothing, so a retry runs afresh. It
+            holds a pool connection for the whole view.
         """
         overrides = {name: convert_option(name, value) for name, value in options.items()}
 
@@ -137,7 +148,7 @@ class Idempotency:
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 state = _state()
                 settings = state.settings.route.override(overrides)
-                early = self._begin(state, settings)
+                early = self._begin(state, settings, transactional)
                 if early is not None:
                     return early  # type: ignore[return-value]
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
@@ -154,7 +165,9 @@ class Idempotency:
             raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
         return tenant
 
-    def _begin(self, state: IdempotencyState, settings: RouteSettings) -> Response | None:
+    def _begin(
+        self, state: IdempotencyState, settings: RouteSettings, transactional: bool
+    ) -> Response | None:
         """Claim the key of this request: None to run the view, or the answer to send."""
         values = request.headers.getlist(settings.header)
         if not values:
@@ -175,15 +188,31 @@ class Idempotency:
         request_fingerprint = fingerprint(request.method, path, request.mimetype, body)
         app = current_app._get_current_object()  # type: ignore[attr-defined]
 
+        store = state.store
+        pinned: list[Any] = []  # the connection a transactional claim holds on to
+
         def claim() -> ClaimOutcome:
-            return state.store.claim(
-                tenant,
-                key,
-                request_fingerprint,
-                lease=settings.lease,
-                ttl=settings.ttl,
-                on_abandoned=settings.on_abandoned,
-            )
+            conn = store.pin() if transactional else None
+            try:
+                outcome = store.claim(
+                    tenant,
+                    key,
+                    request_fingerprint,
+                    lease=settings.lease,
+                    ttl=settings.ttl,
+                    on_abandoned=settings.on_abandoned,
+                    conn=conn,
+                )
+            except BaseException:
+                if conn is not None:
+                    store.unpin(conn, commit=False)
+                raise
+            if conn is not None:
+                if outcome.owns_key:
+                    pinned.append(conn)
+                else:
+                    store.unpin(conn, commit=True)
+            return outcome
 
         started = time.monotonic()
         try:
@@ -195,7 +224,7 @@ class Idempotency:
             signals.store_unavailable.send(
                 app, tenant=tenant, key=key, error=exc, fail_open=settings.fail_open
             )
-            if settings.fail_open:
+            if settings.fail_open and not transactional:
                 logger.warning(
                     "decision=fail_open tenant=%r key=%r error=%s: running the view unprotected",
                     tenant,
@@ -217,7 +246,8 @@ class Idempotency:
         who: dict[str, Any] = {"tenant": tenant, "key": key, "claim_seconds": claim_seconds}
         log = functools.partial(_log, tenant, key, outcome)
         if outcome.owns_key:
-            set_claim(ClaimedKey(tenant, key, outcome, settings, state.store))
+            pin = pinned[0] if pinned else None
+            set_claim(ClaimedKey(tenant, key, outcome, settings, state.store, pinned=pin))
             if decision is Decision.CLAIMED:
                 signals.claimed.send(app, **who, attempt=outcome.attempt)
             elif outcome.previous_status is KeyStatus.PROCESSING:

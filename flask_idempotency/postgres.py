@@ -26,12 +26,13 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .config import OnAbandoned, Settings
-from .errors import StoreError
+from .errors import AttemptSuperseded, StoreError
 from .keys import lock_id
 from .store import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
@@ -115,6 +116,8 @@ WITH seen AS (
         response_status = NULL, response_headers = NULL, response_body = NULL
     WHERE (k.attempt, k.generation, k.status)
         = (SELECT attempt, generation, status FROM seen)
+      -- a phase that committed meanwhile renewed the lease: the owner is alive
+      AND (k.status <> 'processing' OR k.locked_until <= now())
     RETURNING k.attempt, k.generation, k.recovery_point
 ), marked AS (
     UPDATE {table} AS k
@@ -146,6 +149,15 @@ WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
   AND status <> 'completed'
 RETURNING {notify}
+"""
+
+# A recovery point commits with the phase's writes, fenced like the finish, and
+# renews the lease: an attempt that makes progress is not abandoned.
+ADVANCE = """
+UPDATE {table}
+SET recovery_point = %(point)s, locked_until = now() + %(lease)s, updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s AND status = 'processing'
 """
 
 SCHEMA_PRESENT = "SELECT count(to_regclass(name)) FROM unnest(%(names)s::text[]) AS name"
@@ -241,6 +253,9 @@ class PostgresStore:
         )
         self._finish = sql.SQL(FINISH).format(table=self.table, notify=sql.SQL("1"))
         self._finish_notify = sql.SQL(FINISH).format(table=self.table, notify=notify)
+        self._advance = sql.SQL(ADVANCE).format(table=self.table)
+        self._notify = sql.SQL("SELECT {}").format(notify)
+        self._autocommit: dict[int, bool] = {}
 
     # -- connections ---------------------------------------------------------------
 
@@ -357,8 +372,13 @@ class PostgresStore:
         lease: timedelta,
         ttl: timedelta,
         on_abandoned: OnAbandoned,
+        conn: psycopg.Connection[Any] | None = None,
     ) -> ClaimOutcome:
-        """Decide what this request does with *key*, and claim it if the view must run."""
+        """Decide what this request does with *key*, and claim it if the view must run.
+
+        With *conn* (pinned by :meth:`pin`), the claim joins that connection's open
+        transaction: its lock and row last until :meth:`unpin` commits or rolls back.
+        """
         params = {
             "tenant": tenant,
             "key": key,
@@ -368,8 +388,11 @@ class PostgresStore:
             "ttl": ttl,
             "on_abandoned": "taken_over" if on_abandoned == "retry" else "marked_unknown",
         }
-        with self.connection() as conn:
-            row = conn.execute(self._claim, params).fetchone()
+        if conn is not None:
+            row = self._run_pinned(conn, self._claim, params).fetchone()
+        else:
+            with self.connection() as pooled:
+                row = pooled.execute(self._claim, params).fetchone()
         assert row is not None
         (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
         decision = Decision(intent)
@@ -402,8 +425,12 @@ class PostgresStore:
         ttl: timedelta,
         response: StoredResponse | None = None,
         notify: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
     ) -> bool:
-        """End the attempt *outcome* with *status*; False if a newer attempt owns the key."""
+        """End the attempt *outcome* with *status*; False if a newer attempt owns the key.
+
+        With *conn*, the UPDATE joins that pinned connection's transaction.
+        """
         params = {
             "tenant": tenant,
             "key": key,
@@ -416,9 +443,90 @@ class PostgresStore:
             "response_body": response.body if response else None,
             "lock_id": lock_id(tenant, key),
         }
+        query = self._finish_notify if notify else self._finish
+        if conn is not None:
+            return self._run_pinned(conn, query, params).rowcount == 1
+        with self.connection() as pooled:
+            return pooled.execute(query, params).rowcount == 1
+
+    # -- transactional views and phases ---------------------------------------------
+
+    def pin(self) -> psycopg.Connection[Any]:
+        """Check a connection out for a whole transactional view, in a transaction."""
+        pool = self.pool
+        if not self._schema_ready and self.settings.create_table:
+            self._ensure_schema(pool)
+        try:
+            conn: psycopg.Connection[Any] = pool.getconn()
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        self._autocommit[id(conn)] = conn.autocommit
+        conn.autocommit = False
+        return conn
+
+    def unpin(self, conn: psycopg.Connection[Any], *, commit: bool) -> None:
+        """End the pinned transaction and return the connection to the pool.
+
+        The transaction-scoped advisory lock ends with it; a connection whose
+        transaction cannot be ended is closed by the pool, never reused.
+        """
+        try:
+            if commit:
+                conn.commit()
+            else:
+                conn.rollback()
+        except psycopg.Error as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+        finally:
+            autocommit = self._autocommit.pop(id(conn), True)
+            if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
+                conn.autocommit = autocommit
+            self.pool.putconn(conn)
+
+    def _run_pinned(
+        self, conn: psycopg.Connection[Any], query: sql.Composed, params: dict[str, Any]
+    ) -> psycopg.Cursor[Any]:
+        try:
+            return conn.execute(query, params)
+        except psycopg.Error as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+
+    @contextmanager
+    def phase(
+        self, tenant: str, key: str, outcome: ClaimOutcome, point: str, *, lease: timedelta
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """One transaction on a pooled connection: the block's writes commit together
+        with ``recovery_point = point``, or not at all.
+
+        :raises AttemptSuperseded: another attempt owns the key now; nothing commits.
+        """
+        try:
+            conn: psycopg.Connection[Any] = self.pool.getconn()
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection within {self.pool.timeout:g} s") from exc
+        try:
+            with conn.transaction():
+                yield conn
+                params = {
+                    "tenant": tenant,
+                    "key": key,
+                    "attempt": outcome.attempt,
+                    "generation": outcome.generation,
+                    "point": point,
+                    "lease": lease,
+                }
+                if conn.execute(self._advance, params).rowcount != 1:
+                    raise AttemptSuperseded(
+                        f"attempt {outcome.attempt} no longer owns key {key!r} (its lease ran"
+                        " out and another attempt took over); the phase was rolled back"
+                    )
+        finally:
+            self.pool.putconn(conn)
+
+    def notify(self, tenant: str, key: str) -> None:
+        """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
         with self.connection() as conn:
-            cur = conn.execute(self._finish_notify if notify else self._finish, params)
-            return cur.rowcount == 1
+            conn.execute(self._notify, {"lock_id": lock_id(tenant, key)})
 
     # -- maintenance ---------------------------------------------------------------
 
