@@ -22,6 +22,13 @@ CREATE TABLE IF NOT EXISTS executions (
 )
 """
 
+LOCAL_TABLES = """
+CREATE TABLE IF NOT EXISTS ledger (tenant text, key text, amount integer);
+CREATE TABLE IF NOT EXISTS orders (key text PRIMARY KEY, state text NOT NULL);
+CREATE TABLE IF NOT EXISTS charges (charge_key text PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS charge_calls (charge_key text NOT NULL);
+"""
+
 GATE_TIMEOUT = 20.0
 
 
@@ -62,6 +69,7 @@ def create_app(database_url: str, executions_url: str | None = None, **config: A
     app.extensions["test_gates"] = gates
     with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
         conn.execute(EXECUTIONS)
+        conn.execute(LOCAL_TABLES)
 
     @idempotency.tenant_loader
     def tenant() -> str:
@@ -169,6 +177,51 @@ def create_app(database_url: str, executions_url: str | None = None, **config: A
         attempt = record("wait")
         gates.pass_through(request.headers.get("X-Gate"))
         return {"id": str(uuid.uuid4()), "attempt": attempt}, 201
+
+    @app.post("/ledger")
+    @idempotency.idempotent(transactional=True)
+    def ledger() -> tuple[dict[str, Any], int]:
+        conn = current_idempotency.connection
+        conn.execute(
+            "INSERT INTO ledger (tenant, key, amount) VALUES (%s, %s, %s)",
+            (current_idempotency.tenant, current_idempotency.key, request.json["amount"]),
+        )
+        gates.pass_through(request.headers.get("X-Gate"))
+        if request.headers.get("X-Fail") == "raise":
+            raise RuntimeError("failed after writing")
+        if request.headers.get("X-Fail") == "release":
+            current_idempotency.release()
+        return {"id": str(uuid.uuid4()), "attempt": current_idempotency.attempt}, 201
+
+    @app.post("/phased")
+    @idempotency.idempotent(on_exception="release")
+    def phased() -> tuple[dict[str, Any], int]:
+        """Create an order, charge for it, record the charge: resumable after a crash."""
+        fail_at = request.headers.get("X-Fail-At")
+        record("phased")
+        key = current_idempotency.key
+        if current_idempotency.recovery_point == "started":
+            with current_idempotency.phase("created") as conn:
+                conn.execute("INSERT INTO orders (key, state) VALUES (%s, 'created')", (key,))
+                if fail_at == "inside_created":
+                    raise RuntimeError("crash inside the phase")
+        if fail_at == "after_created":
+            raise RuntimeError("crash after the first phase")
+        charge_key = current_idempotency.downstream_key("charge")
+        with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
+            conn.execute("INSERT INTO charge_calls (charge_key) VALUES (%s)", (charge_key,))
+            conn.execute(
+                "INSERT INTO charges (charge_key) VALUES (%s) ON CONFLICT DO NOTHING",
+                (charge_key,),
+            )
+        if fail_at == "after_charge":
+            raise RuntimeError("crash after the charge")
+        gates.pass_through(request.headers.get("X-Gate"))
+        if current_idempotency.recovery_point != "charged":
+            with current_idempotency.phase("charged") as conn:
+                conn.execute("UPDATE orders SET state = 'charged' WHERE key = %s", (key,))
+        body = {"order": key, "attempt": current_idempotency.attempt, "charge_key": charge_key}
+        return body, 201
 
     @app.post("/plain")
     def plain() -> str:
