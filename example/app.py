@@ -13,6 +13,7 @@ Without ``DATABASE_URL`` it starts an embedded PostgreSQL in ``example/.pgdata``
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from typing import Any
 
@@ -30,13 +31,29 @@ PAYMENTS = """
 CREATE TABLE IF NOT EXISTS payments (
     id uuid PRIMARY KEY,
     tenant text NOT NULL,
+    idempotency_key text NOT NULL,
     amount integer NOT NULL CHECK (amount > 0),
     currency text NOT NULL,
     charge_id text,
     status text NOT NULL,
+    refunded integer NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (tenant, idempotency_key)
+);
+CREATE TABLE IF NOT EXISTS refunds (
+    id uuid PRIMARY KEY,
+    payment_id uuid NOT NULL REFERENCES payments (id),
+    amount integer NOT NULL CHECK (amount > 0),
     created_at timestamptz NOT NULL DEFAULT now()
-)
+);
 """
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for the crash tests: with EXAMPLE_FAULTS=1, a request that
+    sends ``X-Crash-At: <name>`` kills its own worker (SIGKILL) at that point."""
+    if os.environ.get("EXAMPLE_FAULTS") == "1" and request.headers.get("X-Crash-At") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @idempotency.tenant_loader
@@ -81,26 +98,41 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
         return {"error": {"message": error.description, "status": error.code}}, error.code
 
     def charge(amount: int, currency: str) -> dict[str, Any]:
-        payment_id = uuid.uuid4()
-        with db().connection() as conn:
-            conn.execute(
-                "INSERT INTO payments (id, tenant, amount, currency, status)"
-                " VALUES (%s, %s, %s, %s, 'pending')",
-                (payment_id, g.account, amount, currency),
+        """Record the payment, charge the provider, record the charge: each local step
+        is a phase, so an attempt that takes over after a crash resumes where the
+        crashed one stopped, and the provider sees the same downstream key."""
+        point = current_idempotency.recovery_point
+        db()  # the example's tables exist before the first phase
+        crash_point("before_created")
+        if point == "started":
+            with current_idempotency.phase("payment_created") as conn:
+                conn.execute(
+                    "INSERT INTO payments (id, tenant, idempotency_key, amount, currency, status)"
+                    " VALUES (%s, %s, %s, %s, %s, 'pending')",
+                    (uuid.uuid4(), g.account, current_idempotency.key, amount, currency),
+                )
+                crash_point("inside_created")
+        crash_point("after_created")
+        if point != "charge_recorded":
+            charge_id = provider.charge(
+                current_idempotency.downstream_key("charge"), amount, currency
             )
-        charge_id = provider.charge(current_idempotency.downstream_key("charge"), amount, currency)
+            crash_point("after_charge")
+            with current_idempotency.phase("charge_recorded") as conn:
+                conn.execute(
+                    "UPDATE payments SET charge_id = %s, status = 'succeeded'"
+                    " WHERE tenant = %s AND idempotency_key = %s",
+                    (charge_id, g.account, current_idempotency.key),
+                )
+        crash_point("after_recorded")
         with db().connection() as conn:
-            conn.execute(
-                "UPDATE payments SET charge_id = %s, status = 'succeeded' WHERE id = %s",
-                (charge_id, payment_id),
-            )
-        return {
-            "id": str(payment_id),
-            "amount": amount,
-            "currency": currency,
-            "charge_id": charge_id,
-            "status": "succeeded",
-        }
+            row = conn.execute(
+                "SELECT id::text, amount, currency, charge_id, status FROM payments"
+                " WHERE tenant = %s AND idempotency_key = %s",
+                (g.account, current_idempotency.key),
+            ).fetchone()
+        assert row is not None
+        return dict(row)
 
     @app.post("/payments")
     @idempotency.idempotent
@@ -112,11 +144,36 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
         payment = charge(amount, currency)
         return payment, 201, {"Location": f"/payments/{payment['id']}"}
 
+    @app.post("/payments/<uuid:payment_id>/refunds")
+    @idempotency.idempotent(transactional=True)
+    def refund(payment_id: uuid.UUID) -> tuple[dict[str, Any], int]:
+        """Local work only: the refund rows and the stored answer commit together."""
+        db()
+        amount = (request.get_json(silent=True) or {}).get("amount")
+        if not isinstance(amount, int) or amount <= 0:
+            abort(400, "amount must be a positive integer (cents)")
+        conn = current_idempotency.connection
+        updated = conn.execute(
+            "UPDATE payments SET refunded = refunded + %s"
+            " WHERE id = %s AND tenant = %s AND refunded + %s <= amount RETURNING refunded",
+            (amount, payment_id, g.account, amount),
+        ).fetchone()
+        if updated is None:
+            abort(409, "no such payment, or the refund exceeds what is left")
+        refund_id = uuid.uuid4()
+        conn.execute(
+            "INSERT INTO refunds (id, payment_id, amount) VALUES (%s, %s, %s)",
+            (refund_id, payment_id, amount),
+        )
+        crash_point("refund_before_commit")
+        return {"id": str(refund_id), "payment_id": str(payment_id), "amount": amount}, 201
+
     @app.get("/payments/<uuid:payment_id>")
     def get_payment(payment_id: uuid.UUID) -> dict[str, Any]:
         with db().connection() as conn:
             row = conn.execute(
-                "SELECT id::text, amount, currency, charge_id, status, created_at::text"
+                "SELECT id::text, amount, currency, charge_id, status, refunded,"
+                " created_at::text"
                 " FROM payments WHERE id = %s AND tenant = %s",
                 (payment_id, g.account),
             ).fetchone()
