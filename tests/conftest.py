@@ -130,3 +130,32 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         t for t in set(threading.enumerate()) - threads_before if t.is_alive() and not t.daemon
     ]
     assert stray == [], f"threads left running: {stray}"
+
+
+# -- real gunicorn -------------------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from gunicorn_server import GunicornServer  # noqa: E402
+
+
+@pytest.fixture
+def start_gunicorn(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
+    """Start ``gunicorn APP`` subprocesses (see GunicornServer); all stopped after the test."""
+    servers: list[GunicornServer] = []
+
+    def start(app: str, **options: Any) -> GunicornServer:
+        log_path = tmp_path / f"gunicorn-{len(servers)}.log"
+        server = GunicornServer(app, log_path=log_path, **options)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    errors = []
+    for server in servers:
+        try:
+            server.stop()
+        except Exception as exc:  # noqa: BLE001 - stop the others, then report
+            errors.append(exc)
+    assert not errors, errors

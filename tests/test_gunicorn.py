@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import psycopg
 import pytest
+from gunicorn_server import ROOT, GunicornServer, db_sockets
+from gunicorn_server import free_port as free_port  # noqa: F401 - test_crash_matrix imports it
 from psycopg.rows import TupleRow
 
-ROOT = Path(__file__).resolve().parent.parent
 DB = psycopg.Connection[TupleRow]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def request(
@@ -49,67 +38,24 @@ def request(
         conn.close()
 
 
-def db_sockets(pid: int, db_port: int) -> int:
-    """How many TCP connections process *pid* has open to *db_port*."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            remote_port = int(fields[2].split(":")[1], 16)
-            if remote_port == db_port and fields[9] in inodes:
-                count += 1
-    return count
-
-
 @pytest.fixture(params=[("sync", True), ("gthread", False)], ids=["sync-preload", "gthread"])
-def gunicorn(request: pytest.FixtureRequest, database_url: str) -> Iterator[tuple[int, int]]:
+def gunicorn(
+    request: pytest.FixtureRequest,
+    database_url: str,
+    start_gunicorn: Callable[..., GunicornServer],
+) -> tuple[int, int]:
     worker_class, preload = request.param
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "-c",
-        str(ROOT / "example" / "gunicorn.conf.py"),
-        "--workers",
-        "3",
-        "--worker-class",
-        worker_class,
-        "--threads",
-        "4",
-        "--bind",
-        f"127.0.0.1:{port}",
-        "--access-logfile",
-        "/dev/null",
-    ]
-    if preload:
-        command.append("--preload")
-    env = {**os.environ, "DATABASE_URL": database_url}
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    server = start_gunicorn(
+        "example.app:create_app()",
+        config=ROOT / "example" / "gunicorn.conf.py",
+        env={"DATABASE_URL": database_url},
+        workers=3,
+        worker_class=worker_class,
+        # gunicorn turns a sync worker with threads > 1 into a gthread one
+        threads=4 if worker_class == "gthread" else 1,
+        preload=preload,
     )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None, "gunicorn exited"
-                assert time.monotonic() < deadline, "gunicorn did not start"
-                time.sleep(0.05)
-        yield port, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
+    return server.port, server.pid
 
 
 def test_duplicates_under_gunicorn_run_once(
