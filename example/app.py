@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
 from typing import Any
 
@@ -22,6 +23,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 from werkzeug.exceptions import HTTPException
 
+from example.provider import SCHEMA as PROVIDER_SCHEMA
 from example.provider import FakeProvider
 from flask_idempotency import Idempotency, current_idempotency
 
@@ -74,14 +76,19 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
     )
     provider = FakeProvider(pool)
     ready = {"done": False}
+    ready_lock = threading.Lock()
 
     def db() -> ConnectionPool[Any]:
         if not ready["done"]:
-            pool.open()
-            with pool.connection() as conn:
-                conn.execute(PAYMENTS)
-            provider.create_schema()
-            ready["done"] = True
+            with ready_lock:  # threads of one worker
+                if not ready["done"]:
+                    pool.open()
+                    with pool.connection() as conn, conn.transaction():
+                        # workers starting together must not race on CREATE TABLE
+                        conn.execute("SELECT pg_advisory_xact_lock(hashtext('example-schema'))")
+                        conn.execute(PAYMENTS)
+                        conn.execute(PROVIDER_SCHEMA)
+                    ready["done"] = True
         return pool
 
     @app.before_request
@@ -182,7 +189,7 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
         return dict(row)
 
     @app.post("/v1/charges")
-    @idempotency.idempotent
+    @idempotency.idempotent(error_format="stripe")  # errors in the shape Stripe's SDK reads
     def stripe_charge() -> dict[str, Any]:
         amount = request.form.get("amount", type=int)
         currency = request.form.get("currency", "usd")

@@ -37,10 +37,6 @@ class FakeProvider:
     def __init__(self, pool: ConnectionPool[Any]) -> None:
         self.pool = pool
 
-    def create_schema(self) -> None:
-        with self.pool.connection() as conn:
-            conn.execute(SCHEMA)
-
     def charge(self, idempotency_key: str, amount: int, currency: str) -> str:
         """Charge *amount*; a repeated key returns the first charge's id."""
         time.sleep(LATENCY)

@@ -14,6 +14,7 @@ LISTEN_DATABASE_URL = "IDEMPOTENCY_LISTEN_DATABASE_URL"
 POOL_MIN_SIZE = "IDEMPOTENCY_POOL_MIN_SIZE"
 POOL_MAX_SIZE = "IDEMPOTENCY_POOL_MAX_SIZE"
 POOL_TIMEOUT = "IDEMPOTENCY_POOL_TIMEOUT"
+POOL_RECONNECT_TIMEOUT = "IDEMPOTENCY_POOL_RECONNECT_TIMEOUT"
 PREPARED_STATEMENTS = "IDEMPOTENCY_PREPARED_STATEMENTS"
 TABLE = "IDEMPOTENCY_TABLE"
 CREATE_TABLE = "IDEMPOTENCY_CREATE_TABLE"
@@ -58,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     POOL_MIN_SIZE: 1,
     POOL_MAX_SIZE: 4,
     POOL_TIMEOUT: 5.0,
+    POOL_RECONNECT_TIMEOUT: 10.0,
     PREPARED_STATEMENTS: True,
     TABLE: "idempotency_keys",
     CREATE_TABLE: True,
@@ -142,6 +144,9 @@ class Settings:
     pool_min_size: int
     pool_max_size: int
     pool_timeout: float
+    #: how long the pool keeps retrying a failed connection in the background before
+    #: it gives up and lets the next request try afresh (psycopg_pool's reconnect_timeout)
+    pool_reconnect_timeout: float
     prepared_statements: bool
     table: str
     create_table: bool
@@ -174,6 +179,7 @@ def load_settings(config: Mapping[str, Any], *, pool_given: bool = False) -> Set
         pool_min_size=min_size,
         pool_max_size=max_size,
         pool_timeout=_seconds(config[POOL_TIMEOUT], POOL_TIMEOUT),
+        pool_reconnect_timeout=_seconds(config[POOL_RECONNECT_TIMEOUT], POOL_RECONNECT_TIMEOUT),
         prepared_statements=_bool(config[PREPARED_STATEMENTS], PREPARED_STATEMENTS),
         table=table,
         create_table=_bool(config[CREATE_TABLE], CREATE_TABLE),

@@ -110,6 +110,9 @@ class PostgresStore:
             min_size=settings.pool_min_size,
             max_size=settings.pool_max_size,
             timeout=settings.pool_timeout,
+            # psycopg_pool's default (5 min of doubling back-offs) keeps a worker
+            # answering 503 long after PostgreSQL is back; give up sooner and retry afresh.
+            reconnect_timeout=settings.pool_reconnect_timeout,
             kwargs={
                 "autocommit": True,
                 # 0: prepare every statement at once; None: never (PgBouncer < 1.21)
