@@ -76,15 +76,20 @@ class PostgresStore:
         self._qualified = [settings.table] + [schema + i for i in self._index_names]
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
-        self._claim = sql.SQL(CLAIM).format(table=self.table)
+        # The request path's statements, composed once: psycopg re-renders a Composed
+        # on every execute, but caches the parsing of a plain string.
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
             sql.Literal(self.channel)
         )
-        self._finish = sql.SQL(FINISH).format(table=self.table, notify=sql.SQL("1"))
-        self._finish_notify = sql.SQL(FINISH).format(table=self.table, notify=notify)
-        self._advance = sql.SQL(ADVANCE).format(table=self.table)
-        self._notify = sql.SQL("SELECT {}").format(notify)
+        self._claim = self._render(CLAIM)
+        self._finish = self._render(FINISH, notify=sql.SQL("1"))
+        self._finish_notify = self._render(FINISH, notify=notify)
+        self._advance = self._render(ADVANCE)
+        self._notify = sql.SQL("SELECT {}").format(notify).as_string()
         self._autocommit: dict[int, bool] = {}
+
+    def _render(self, query: str, **parts: sql.Composable) -> str:
+        return sql.SQL(query).format(table=self.table, **parts).as_string()
 
     # -- connections ---------------------------------------------------------------
 
@@ -316,7 +321,7 @@ class PostgresStore:
             self.pool.putconn(conn)
 
     def _run_pinned(
-        self, conn: psycopg.Connection[Any], query: sql.Composed, params: dict[str, Any]
+        self, conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
     ) -> psycopg.Cursor[Any]:
         try:
             return conn.execute(query, params)
