@@ -146,6 +146,7 @@ def _end_transaction(
                 claim.store.unpin(conn, commit=False)  # returns the connection in any case
                 raise
             claim.store.unpin(conn, commit=True)
+            claim.store.remember(claim.tenant, claim.key, claim.outcome, stored, claim.settings.ttl)
         else:
             claim.store.unpin(conn, commit=False)
             if wait:  # twins waiting on this key may claim it now
@@ -203,6 +204,8 @@ def _write(
             _fields(who),
         )
     if stored is not None:
+        if ok:
+            claim.store.remember(claim.tenant, claim.key, claim.outcome, stored, claim.settings.ttl)
         logger.debug("decision=stored %s status=%d", _fields(who), stored.status)
         signals.stored.send(app, **who, status=stored.status, stored=ok)
         return

@@ -16,6 +16,8 @@ POOL_MAX_SIZE = "IDEMPOTENCY_POOL_MAX_SIZE"
 POOL_TIMEOUT = "IDEMPOTENCY_POOL_TIMEOUT"
 POOL_RECONNECT_TIMEOUT = "IDEMPOTENCY_POOL_RECONNECT_TIMEOUT"
 PREPARED_STATEMENTS = "IDEMPOTENCY_PREPARED_STATEMENTS"
+SYNCHRONOUS_FINISH = "IDEMPOTENCY_SYNCHRONOUS_FINISH"
+REPLAY_CACHE_SIZE = "IDEMPOTENCY_REPLAY_CACHE_SIZE"
 TABLE = "IDEMPOTENCY_TABLE"
 CREATE_TABLE = "IDEMPOTENCY_CREATE_TABLE"
 HEADER = "IDEMPOTENCY_HEADER"
@@ -61,6 +63,8 @@ DEFAULTS: dict[str, Any] = {
     POOL_TIMEOUT: 5.0,
     POOL_RECONNECT_TIMEOUT: 10.0,
     PREPARED_STATEMENTS: True,
+    SYNCHRONOUS_FINISH: True,
+    REPLAY_CACHE_SIZE: 0,
     TABLE: "idempotency_keys",
     CREATE_TABLE: True,
     HEADER: "Idempotency-Key",
@@ -148,6 +152,10 @@ class Settings:
     #: it gives up and lets the next request try afresh (psycopg_pool's reconnect_timeout)
     pool_reconnect_timeout: float
     prepared_statements: bool
+    #: False: the completion commits without waiting for its WAL flush (see README)
+    synchronous_finish: bool
+    #: completed responses kept per process to replay without a query (0: off)
+    replay_cache_size: int
     table: str
     create_table: bool
     route: RouteSettings
@@ -181,6 +189,8 @@ def load_settings(config: Mapping[str, Any], *, pool_given: bool = False) -> Set
         pool_timeout=_seconds(config[POOL_TIMEOUT], POOL_TIMEOUT),
         pool_reconnect_timeout=_seconds(config[POOL_RECONNECT_TIMEOUT], POOL_RECONNECT_TIMEOUT),
         prepared_statements=_bool(config[PREPARED_STATEMENTS], PREPARED_STATEMENTS),
+        synchronous_finish=_bool(config[SYNCHRONOUS_FINISH], SYNCHRONOUS_FINISH),
+        replay_cache_size=_int(config, REPLAY_CACHE_SIZE, minimum=0),
         table=table,
         create_table=_bool(config[CREATE_TABLE], CREATE_TABLE),
         route=RouteSettings(

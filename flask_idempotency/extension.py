@@ -216,7 +216,7 @@ class Idempotency:
 
         started = time.monotonic()
         try:
-            outcome = claim()
+            outcome = store.cached_outcome(tenant, key, request_fingerprint) or claim()
             claim_seconds = time.monotonic() - started
             if outcome.decision is Decision.IN_PROGRESS and settings.wait > 0:
                 outcome = _wait_for_twin(state, settings, lock_id(tenant, key), claim)

@@ -31,11 +31,13 @@ from psycopg.rows import TupleRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from .cache import ReplayCache
 from .config import OnAbandoned, Settings
 from .errors import AttemptSuperseded, StoreError
 from .keys import lock_id
 from .queries import (
     ADVANCE,
+    ASYNC_COMMIT,
     CLAIM,
     COUNT_ABANDONED,
     COUNT_EXPIRED,
@@ -82,11 +84,16 @@ class PostgresStore:
             sql.Literal(self.channel)
         )
         self._claim = self._render(CLAIM)
-        self._finish = self._render(FINISH, notify=sql.SQL("1"))
-        self._finish_notify = self._render(FINISH, notify=notify)
+        commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
+        self._finish = self._render(FINISH, notify=sql.SQL("1"), commit_mode=commit_mode)
+        self._finish_notify = self._render(FINISH, notify=notify, commit_mode=commit_mode)
         self._advance = self._render(ADVANCE)
         self._notify = sql.SQL("SELECT {}").format(notify).as_string()
         self._autocommit: dict[int, bool] = {}
+        #: completed responses of this process (IDEMPOTENCY_REPLAY_CACHE_SIZE > 0)
+        self.replay_cache = (
+            ReplayCache(settings.replay_cache_size) if settings.replay_cache_size else None
+        )
 
     def _render(self, query: str, **parts: sql.Composable) -> str:
         return sql.SQL(query).format(table=self.table, **parts).as_string()
@@ -238,6 +245,7 @@ class PostgresStore:
                 return ClaimOutcome(Decision.IN_PROGRESS)
             return ClaimOutcome(
                 decision,
+                fingerprint=fingerprint,
                 attempt=attempt,
                 generation=generation,
                 recovery_point=point,
@@ -247,10 +255,34 @@ class PostgresStore:
         if decision is Decision.MARKED_UNKNOWN and not marked:
             return ClaimOutcome(Decision.IN_PROGRESS)
         if decision is Decision.REPLAY:
-            status, headers, body = row[7:10]
+            status, headers, body, expires_in = row[7:11]
             response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
+            if self.replay_cache is not None:
+                self.replay_cache.put(
+                    tenant, key, fingerprint, response, seen_attempt, float(expires_in)
+                )
             return ClaimOutcome(decision, attempt=seen_attempt, response=response)
         return ClaimOutcome(decision, attempt=seen_attempt or 0)
+
+    def cached_outcome(self, tenant: str, key: str, fingerprint: bytes) -> ClaimOutcome | None:
+        """A replay (or a mismatch) answered from the replay cache, without a query."""
+        if self.replay_cache is None:
+            return None
+        hit = self.replay_cache.get(tenant, key)
+        if hit is None:
+            return None
+        if hit.fingerprint != fingerprint:
+            return ClaimOutcome(Decision.MISMATCH, attempt=hit.attempt)
+        return ClaimOutcome(Decision.REPLAY, attempt=hit.attempt, response=hit.response)
+
+    def remember(
+        self, tenant: str, key: str, outcome: ClaimOutcome, response: StoredResponse, ttl: timedelta
+    ) -> None:
+        """Cache a response that has just been committed as completed."""
+        if self.replay_cache is not None:
+            self.replay_cache.put(
+                tenant, key, outcome.fingerprint, response, outcome.attempt, ttl.total_seconds()
+            )
 
     def finish(
         self,

@@ -43,6 +43,7 @@ WITH seen AS (
     SELECT status, fingerprint, attempt, generation, recovery_point,
            locked_until <= now() AS lease_over,
            status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           extract(epoch FROM expires_at - now()) AS expires_in,
            response_status, response_headers, response_body
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), intent AS (
@@ -98,7 +99,7 @@ WITH seen AS (
 )
 SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
-       seen.response_status, seen.response_headers, seen.response_body
+       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in
 FROM intent
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
@@ -113,6 +114,7 @@ SET status = %(status)s, locked_until = NULL, updated_at = now(),
     response_status = %(response_status)s,
     response_headers = %(response_headers)s,
     response_body = %(response_body)s
+{commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
   AND status <> 'completed'
@@ -127,6 +129,10 @@ SET recovery_point = %(point)s, locked_until = now() + %(lease)s, updated_at = n
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s AND status = 'processing'
 """
+
+# With IDEMPOTENCY_SYNCHRONOUS_FINISH = False: this statement's own transaction commits
+# without waiting for its WAL flush (set_config(..., true) lasts until its commit).
+ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
 
 SCHEMA_PRESENT = "SELECT count(to_regclass(name)) FROM unnest(%(names)s::text[]) AS name"
 

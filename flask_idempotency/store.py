@@ -50,6 +50,8 @@ class ClaimOutcome:
     """
 
     decision: Decision
+    #: the request fingerprint the key was claimed with (set when this request owns it)
+    fingerprint: bytes = b""
     attempt: int = 0
     generation: int = 0
     recovery_point: str = "started"

@@ -280,3 +280,57 @@ def test_expired_key_is_used_afresh(make_app: Callable[..., Flask], key: str, db
     assert second.get_json()["attempt"] == 1
     assert second.get_json()["charge_key"] != first.get_json()["charge_key"]
     assert executions(db, key) == 2
+
+
+def test_replay_cache_answers_without_a_query(
+    make_app: Callable[..., Flask], key: str, db: DB, monkeypatch: Any
+) -> None:
+    app = make_app(IDEMPOTENCY_REPLAY_CACHE_SIZE=100)
+    client = app.test_client()
+    first = post(client, "/payments", key)
+    pool = app.extensions["idempotency"].store.pool
+    queries: list[object] = []
+    original = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_pool", None) is pool:
+            queries.append(query)
+        return original(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    replay = post(client, "/payments", key)
+    assert replay.data == first.data and replay.headers["Idempotent-Replayed"] == "true"
+    problem(post(client, "/payments", key, {"amount": 1}), 422, "key-reused")
+    assert queries == []  # both answered from the cache
+    assert executions(db, key) == 1
+
+
+def test_replay_cache_entries_expire_with_the_key(
+    make_app: Callable[..., Flask], key: str, db: DB
+) -> None:
+    app = make_app(IDEMPOTENCY_REPLAY_CACHE_SIZE=100, IDEMPOTENCY_TTL=0.3)
+    client = app.test_client()
+    post(client, "/payments", key)
+    assert post(client, "/payments", key).headers["Idempotent-Replayed"] == "true"
+    wait_until(
+        lambda: (
+            db.execute(
+                "SELECT expires_at <= now() FROM idempotency_keys WHERE key = %s", (key,)
+            ).fetchone()
+            == (True,)
+        )
+    )
+    wait_until(lambda: app.extensions["idempotency"].store.replay_cache.get("", key) is None)
+    fresh = post(client, "/payments", key, {"amount": 7})
+    assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
+    assert executions(db, key) == 2
+
+
+def test_asynchronous_finish_still_stores_the_response(
+    make_app: Callable[..., Flask], key: str, db: DB
+) -> None:
+    app = make_app(IDEMPOTENCY_SYNCHRONOUS_FINISH=False)
+    client = app.test_client()
+    first = post(client, "/payments", key)
+    assert post(client, "/payments", key).data == first.data
+    assert key_row(db, key) == ("completed", 1, 201)
