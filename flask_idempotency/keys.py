@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import xxhash
@@ -10,6 +11,7 @@ from http_sfv.item import Item
 from .errors import InvalidKey
 
 MAX_KEY_LENGTH = 255
+_VISIBLE_ASCII = re.compile(r"[!-~]+")
 
 
 def parse_key(values: Sequence[str], header: str) -> str:
@@ -34,7 +36,7 @@ def parse_key(values: Sequence[str], header: str) -> str:
         )
     else:
         key = raw
-    if not 1 <= len(key) <= MAX_KEY_LENGTH or not all("!" <= c <= "~" for c in key):
+    if not 1 <= len(key) <= MAX_KEY_LENGTH or not _VISIBLE_ASCII.fullmatch(key):
         raise InvalidKey(
             f"{header} must be 1-{MAX_KEY_LENGTH} visible ASCII characters "
             "(no spaces or control characters)."

@@ -144,12 +144,19 @@ class PostgresStore:
         if not self._schema_ready and self.settings.create_table:
             self._ensure_schema(pool)
         try:
-            with pool.connection() as conn:
-                yield conn
+            conn: psycopg.Connection[TupleRow] = pool.getconn()
         except PoolTimeout as exc:
             raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        # getconn/putconn rather than pool.connection(): the extension's connections
+        # are in autocommit, so there is no transaction to end on the way back.
+        try:
+            yield conn
+            if not conn.autocommit:  # a pool passed in by the app
+                conn.commit()
         except psycopg.Error as exc:
             raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+        finally:
+            pool.putconn(conn)
 
     def close(self) -> None:
         """Close the pool this store opened (a pool passed in is the caller's to close)."""
