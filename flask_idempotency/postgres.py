@@ -137,16 +137,21 @@ class PostgresStore:
         atexit.register(pool.close)
         return pool
 
+    def _checkout(self, pool: ConnectionPool[Any]) -> psycopg.Connection[Any]:
+        """A connection from *pool*, once the schema is there; StoreError if none comes."""
+        if not self._schema_ready and self.settings.create_table:
+            self._ensure_schema(pool)
+        try:
+            conn: psycopg.Connection[Any] = pool.getconn()
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        return conn
+
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
         """A pooled connection for one unit of work; store failures become StoreError."""
         pool = self.pool
-        if not self._schema_ready and self.settings.create_table:
-            self._ensure_schema(pool)
-        try:
-            conn: psycopg.Connection[TupleRow] = pool.getconn()
-        except PoolTimeout as exc:
-            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        conn = self._checkout(pool)
         # getconn/putconn rather than pool.connection(): the extension's connections
         # are in autocommit, so there is no transaction to end on the way back.
         try:
@@ -329,13 +334,7 @@ class PostgresStore:
 
     def pin(self) -> psycopg.Connection[Any]:
         """Check a connection out for a whole transactional view, in a transaction."""
-        pool = self.pool
-        if not self._schema_ready and self.settings.create_table:
-            self._ensure_schema(pool)
-        try:
-            conn: psycopg.Connection[Any] = pool.getconn()
-        except PoolTimeout as exc:
-            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
+        conn = self._checkout(self.pool)
         self._autocommit[id(conn)] = conn.autocommit
         conn.autocommit = False
         return conn
@@ -376,10 +375,7 @@ class PostgresStore:
 
         :raises AttemptSuperseded: another attempt owns the key now; nothing commits.
         """
-        try:
-            conn: psycopg.Connection[Any] = self.pool.getconn()
-        except PoolTimeout as exc:
-            raise StoreError(f"no database connection within {self.pool.timeout:g} s") from exc
+        conn = self._checkout(self.pool)
         try:
             with conn.transaction():
                 yield conn
