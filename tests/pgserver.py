@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -174,12 +174,21 @@ class PostgresServer:
 
     ``start()`` runs ``initdb`` first if ``datadir`` holds no cluster yet (``datadir`` may exist
     but must then be empty).  Usable as a context manager (start on enter, stop on exit).
+    ``settings`` overrides the test settings (``fsync = off`` ...) in the generated config.
     """
 
     def __init__(
-        self, datadir: Path, port: int | None = None, *, bin_dir: Path | None = None
+        self,
+        datadir: Path,
+        port: int | None = None,
+        *,
+        bin_dir: Path | None = None,
+        settings: Mapping[str, str | int] | None = None,
     ) -> None:
         self.datadir = Path(datadir).resolve()
+        #: postgresql.conf settings that override (or add to) the test settings, for example
+        #: ``{"fsync": "on", "full_page_writes": "on"}`` for a durable server
+        self.settings: dict[str, str | int] = dict(settings or {})
         self.port = port if port is not None else _free_port()
         self.bin_dir = bin_dir if bin_dir is not None else find_bin_dir()
         self.log_path = self.datadir / _LOG_NAME
@@ -393,6 +402,7 @@ class PostgresServer:
             "fsync": "off",
             "full_page_writes": "off",
         }
+        settings.update(self.settings)
         path = self.datadir / _CONF_NAME
         path.write_text("".join(f"{k} = {_conf_quote(v)}\n" for k, v in settings.items()))
         if self._uid is not None and self._gid is not None:

@@ -1,0 +1,3 @@
+"""The benchmark of flask-idempotency: run ``bash bench/run``; see docs/performance.md."""
+
+from __future__ import annotations

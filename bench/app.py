@@ -1,0 +1,146 @@
+"""The benchmark's Flask app: one small view behind three kinds of protection.
+
+* ``POST /plain``: the view alone, no idempotency (variant a);
+* ``POST /idempotent``: the view under ``@idempotency.idempotent``, the real extension
+  (variants b, c, d);
+* ``POST /handrolled``: the view under the "seed-style" protection people write by hand
+  (variant f): on one pooled connection, ``pg_advisory_lock``, ``SELECT`` the row,
+  ``INSERT`` a ``processing`` row, ``pg_advisory_unlock``, run the view, then ``UPDATE``
+  the row with the response, each its own statement.
+
+Every view does the same work: parse the small JSON body, record the execution, and
+answer a small JSON document with 201. An execution is recorded as one line (the
+Idempotency-Key) appended to ``$BENCH_EXEC_DIR/exec-<route>-<pid>.log``, so the
+benchmark can count how many times the view ran for each key (double executions).
+
+Run by gunicorn as ``bench.app:create_app()``, configured by the environment:
+``BENCH_DATABASE_URL`` (required) and ``BENCH_EXEC_DIR`` (required).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from flask import Flask, Response, request
+from psycopg_pool import ConnectionPool
+
+import flask_idempotency
+from flask_idempotency import Idempotency
+
+HANDROLLED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS handrolled_keys (
+    key text PRIMARY KEY,
+    status text NOT NULL,
+    response_status smallint,
+    response_body bytea,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+class ExecutionLog:
+    """Append-only per-process files, one line per execution of a view."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: dict[str, int] = {}
+        self._pid = 0
+
+    def record(self, route: str, key: str) -> None:
+        if self._pid != os.getpid():  # a fresh process: never write to the parent's files
+            self._files = {}
+            self._pid = os.getpid()
+        fd = self._files.get(route)
+        if fd is None:
+            path = os.path.join(self.directory, f"exec-{route}-{self._pid}.log")
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._files[route] = fd
+        os.write(fd, key.encode("ascii", "replace") + b"\n")
+
+
+def create_app(database_url: str | None = None, exec_dir: str | None = None) -> Flask:
+    app = Flask(__name__)
+    url = database_url or os.environ["BENCH_DATABASE_URL"]
+    executions = ExecutionLog(exec_dir or os.environ["BENCH_EXEC_DIR"])
+    # The extension's defaults (bench/bench.py runs `flask idempotency-init` first), unless
+    # the environment says otherwise: FLASK_IDEMPOTENCY_TTL=... and so on.
+    app.config["IDEMPOTENCY_DATABASE_URL"] = url
+    app.config.from_prefixed_env()
+    idempotency = Idempotency(app)
+    # The hand-rolled variant's pool: what a user would write (autocommit, psycopg's
+    # default prepare threshold), opened on first use in each worker.
+    pool: ConnectionPool[Any] = ConnectionPool(
+        url, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+    )
+    app.extensions["bench_pool"] = pool
+    opened = {"pid": 0}
+
+    def handrolled_pool() -> ConnectionPool[Any]:
+        if opened["pid"] != os.getpid():
+            pool.open(wait=True)
+            opened["pid"] = os.getpid()
+        return pool
+
+    def work(route: str) -> tuple[dict[str, Any], int]:
+        """The view's work, the same in every variant."""
+        body = request.get_json(silent=True) or {}
+        executions.record(route, request.headers.get("Idempotency-Key", "-"))
+        return {"id": str(uuid.uuid4()), "amount": body.get("amount")}, 201
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        """Which flask_idempotency this process runs (bench/bench.py checks it)."""
+        return {"library": os.path.dirname(flask_idempotency.__file__)}
+
+    @app.post("/plain")
+    def plain() -> tuple[dict[str, Any], int]:
+        return work("plain")
+
+    @app.post("/idempotent")
+    @idempotency.idempotent
+    def idempotent() -> tuple[dict[str, Any], int]:
+        return work("idempotent")
+
+    @app.post("/handrolled")
+    def handrolled() -> Response | tuple[dict[str, Any], int]:
+        key = request.headers.get("Idempotency-Key")
+        if not key:
+            return {"error": "Idempotency-Key required"}, 400
+        with handrolled_pool().connection() as conn:
+            conn.execute("SELECT pg_advisory_lock(hashtext(%s))", [key])
+            try:
+                row = conn.execute(
+                    "SELECT status, response_status, response_body"
+                    " FROM handrolled_keys WHERE key = %s",
+                    [key],
+                ).fetchone()
+                if row is None:
+                    conn.execute(
+                        "INSERT INTO handrolled_keys (key, status) VALUES (%s, 'processing')",
+                        [key],
+                    )
+            finally:
+                conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", [key])
+            if row is not None:
+                status, response_status, response_body = row
+                if status == "completed":
+                    return Response(
+                        bytes(response_body),
+                        response_status,
+                        mimetype="application/json",
+                        headers={"Idempotent-Replayed": "true"},
+                    )
+                return {"error": "request in progress"}, 409
+            payload, code = work("handrolled")
+            response = app.json.response(payload)
+            response.status_code = code
+            conn.execute(
+                "UPDATE handrolled_keys SET status = 'completed', response_status = %s,"
+                " response_body = %s WHERE key = %s",
+                [code, response.get_data(), key],
+            )
+            return response
+
+    return app
