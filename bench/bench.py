@@ -490,9 +490,10 @@ class Bench:
         Statements (pg_stat_statements), transaction ids and WAL bytes are current at once;
         commits and WAL flushes (pg_stat_database, pg_stat_io) stay in each backend until it
         reports them: at most once a second, and once idle only ~10 s later. So: wait a
-        second, read everything (``pre``), then *poke* every backend with replays (which
-        write no WAL, so add no flush; a backend reports before it answers when its last
-        report is over a second old), and read everything again (``post``).
+        second, read everything (``pre``), then *poke* every backend with ``SELECT 1``
+        (bench/app.py's /flush-stats, which writes no WAL, so adds no flush; a backend
+        reports before it answers when its last report is over a second old), and read
+        everything again (``post``).
         """
         time.sleep(self.args.settle)
         pre = self.db_snapshot()
@@ -502,7 +503,7 @@ class Bench:
     @staticmethod
     def window(before: Settled, after: Settled) -> dict[str, float]:
         """What happened between two settled readings, without the pokes (except in commits:
-        a poke's replays commit, see ``count_round_trips``)."""
+        a poke's statements commit, see ``count_round_trips``)."""
         start = before[1]
         return {k: (after[1] if k in LAGGING else after[0])[k] - start[k] for k in start}
 
@@ -595,9 +596,10 @@ class Bench:
         return snap
 
     def poke_main(self) -> None:
-        """Replays on every worker's connections, for one second (see settled)."""
+        """/flush-stats on every worker, for one second (see settled)."""
         assert self.main is not None
-        self.run_wrk(self.main.port, "/idempotent", "poke", f"poke{self.run_id}", 1)
+        url = f"http://127.0.0.1:{self.main.port}/flush-stats"
+        self.run_tracked(["wrk", "-t", "1", "-c", "4", "-d", "1s", url], timeout=60)
 
     def measured(self, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         before = self.snapshot()
@@ -769,7 +771,6 @@ class Bench:
         for name in names:
             if not BY_NAME[name].is_pgbench:
                 self.run_variant(server, BY_NAME[name], "w", a.warmup)
-        self.poke_main()  # stores the poke's keys
         self.execute("CHECKPOINT")
         rss = {pid: rss_kib(pid) for pid in server.worker_pids}
         self.results["rss_after_warmup_kib"] = rss
@@ -857,15 +858,14 @@ class Bench:
                 for path, key in replay_key.items():
                     post(server.port, path, key)
 
-            def poke() -> None:  # 4 each: the pools hand out their connections in turn
-                for path, key in replay_key.items():
-                    for _ in range(4):
-                        post(server.port, path, key)
+            def poke() -> None:
+                if get_json(server.port, "/flush-stats") is None:
+                    raise BenchError("GET /flush-stats failed on the counting server")
 
             # No autovacuum meanwhile: its transactions would count as commits.
             self.autovacuum(False)
             self.execute("CHECKPOINT")
-            # What the pokes themselves add to a window (their replays commit), to take off.
+            # What the pokes themselves add to a window (their statements commit), to take off.
             first = self.settled(poke)
             poke_cost = self.window(first, self.settled(poke))
             cases = [
@@ -892,7 +892,7 @@ class Bench:
                 statements = self.query(
                     """
                     SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70), calls, wal_records,
-                           mean_exec_time * 1000
+                           mean_exec_time * 1000, wal_bytes
                     FROM pg_stat_statements
                     WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s)
                     ORDER BY calls DESC, 1
@@ -911,11 +911,20 @@ class Bench:
                     "round_trips": (trips1 - trips0) / n,
                     "new_connections": conns1 - conns0,
                     "statements": sum(row[1] for row in statements) / n,
+                    # WAL written by the statements themselves (pg_stat_statements); the
+                    # LSN difference in wal_bytes also has the server's background records
+                    "statement_wal_bytes": sum(float(row[4]) for row in statements) / n,
                     **per_request,
                     "sequential_latency_ms_p50": percentile(latencies, 50),
                     "statement_calls": [
-                        {"query": q, "calls": c, "wal_records": w, "mean_exec_us": round(t, 1)}
-                        for q, c, w, t in statements
+                        {
+                            "query": q,
+                            "calls": c,
+                            "wal_records": w,
+                            "wal_bytes": int(b),
+                            "mean_exec_us": round(t, 1),
+                        }
+                        for q, c, w, t, b in statements
                     ],
                 }
                 c = counted[name]
@@ -1051,7 +1060,27 @@ class Bench:
             f"RSS run: new keys for {seconds} s (aiming at {a.rss_requests} requests"
             f" at ~{b:.0f} req/s)"
         )
+        started = time.monotonic()
         result = self.run_variant(server, BY_NAME["b"], "rss", seconds)
+        chunk = 1
+        while result["requests"] < a.rss_requests:  # slower than the rounds: carry on
+            left = a.rss_max_seconds - (time.monotonic() - started)
+            missing = a.rss_requests - result["requests"]
+            more = min(left, math.ceil(missing / max(1.0, result["rps"]) * 1.15) + 1)
+            if more < 2:
+                break
+            extra = self.run_variant(server, BY_NAME["b"], f"rss{chunk}", more)
+            chunk += 1
+            total = result["requests"] + extra["requests"]
+            elapsed = result["requests"] / max(1.0, result["rps"]) + extra["requests"] / max(
+                1.0, extra["rps"]
+            )
+            result = {
+                "requests": total,
+                "rps": total / elapsed,
+                "errors_total": result["errors_total"] + extra["errors_total"],
+            }
+        seconds = round(time.monotonic() - started)
         after = {pid: rss_kib(pid) for pid in server.worker_pids}
         served = {pid: self.exec_lines("idempotent", pid) - served_before[pid] for pid in pids}
         self.results["rss"] = {
@@ -1539,10 +1568,11 @@ def render_report(results: dict[str, Any]) -> str:
             w(
                 f"  {c['label']:22} {c['round_trips']:11.2f} {c['statements']:10.2f}"
                 f" {c['xids']:5.2f} {c['wal_flushes']:11.2f}"
-                f" {c['wal_bytes']:9.0f} {c['sequential_latency_ms_p50']:8.2f} ms"
+                f" {c['statement_wal_bytes']:9.0f} {c['sequential_latency_ms_p50']:8.2f} ms"
             )
         w("  (every statement is its own transaction, so commits = statements; xids: the")
-        w("  transactions that wrote; WAL flushes: fsyncs by client backends, pg_stat_io)")
+        w("  transactions that wrote; WAL flushes: fsyncs by client backends, pg_stat_io;")
+        w("  WAL bytes: written by the statements themselves, pg_stat_statements)")
         for name in ("b", "c"):
             c = results["counted"][name]
             w(f"  statements of '{c['label']}' (calls per request, mean execution time):")
@@ -1552,8 +1582,10 @@ def render_report(results: dict[str, Any]) -> str:
                     f"  {st['query']}"
                 )
         b, c = results["counted"]["b"], results["counted"]["c"]
-        ok_b = b["round_trips"] <= 2.0 and round(b["wal_flushes"], 2) <= 2.0
-        ok_c = c["round_trips"] <= 1.0 and c["wal_flushes"] == 0 and c["wal_bytes"] == 0
+        ok_b = round(b["round_trips"], 2) <= 2.0 and round(b["wal_flushes"], 2) <= 2.0
+        # Not WAL bytes: a read may prune dead row versions off a heap page and log that
+        # (no transaction id, no commit record, so nothing to flush).
+        ok_c = round(c["round_trips"], 2) <= 1.0 and round(c["wal_flushes"], 2) == 0
         w(
             "  target <= 2 round trips and <= 2 flushes per new key:"
             f" {'MET' if ok_b else 'NOT MET'}; 1 round trip and 0 flushes per replay:"
@@ -1605,7 +1637,7 @@ def render_report(results: dict[str, Any]) -> str:
             ("handrolled", "hand-rolled, new key"),
         ):
             r = m[name]
-            extra = f"  (+{r['cpu_us'] - plain:.0f} us over plain)" if name != "plain" else ""
+            extra = f"  ({r['cpu_us'] - plain:+.0f} us vs plain)" if name != "plain" else ""
             w(
                 f"  {label:22} {r['cpu_us']:6.0f} us CPU (user {r['user_us']:.0f},"
                 f" system {r['sys_us']:.0f}), wall {r['wall_us']:6.0f} us{extra}"

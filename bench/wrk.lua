@@ -4,8 +4,6 @@
 --   new     a new key per request: PREFIX-<thread>-<counter> (PREFIX is unique per round)
 --   replay  always the key PREFIX (the first request stores it, the rest are replays)
 --   mix     like new, but 10 % of the requests reuse one of the thread's last 64 keys
---   poke    replays of PREFIX-idempotent and PREFIX-handrolled on /idempotent and
---           /handrolled in turn (bench.py's way to make every backend flush its statistics)
 -- At the end one line "BENCH_JSON {...}" carries the counts and latency percentiles (us).
 
 local threads = {}
@@ -40,12 +38,7 @@ end
 
 function request()
     local key
-    if mode == "poke" then
-        counter = counter + 1
-        local route = (counter % 2 == 0) and "idempotent" or "handrolled"
-        wrk.headers["Idempotency-Key"] = prefix .. "-" .. route
-        return wrk.format(nil, "/" .. route)
-    elseif mode == "replay" then
+    if mode == "replay" then
         key = prefix
     elseif mode == "mix" and counter > 0 and math.random() < 0.1 then
         key = recent[math.random(math.min(counter, recent_size))]
