@@ -113,6 +113,27 @@ def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = 
     return int(row[0])
 
 
+@pytest.fixture
+def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[str]]:
+    """``store_statements(app)``: from now on, every statement *app*'s store sends on
+    its pool's connections is appended to the returned list."""
+
+    def watch(app: Flask) -> list[str]:
+        pool = app.extensions["idempotency"].store.pool
+        statements: list[str] = []
+        original = psycopg.Connection.execute
+
+        def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kw: Any) -> Any:
+            if getattr(self, "_pool", None) is pool:
+                statements.append(str(query)[:40])
+            return original(self, query, *args, **kw)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", counting)
+        return statements
+
+    return watch
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every test: no advisory lock held by any session, no stray threads."""

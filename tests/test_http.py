@@ -194,20 +194,11 @@ def test_problem_bodies_are_json(app: Flask) -> None:
 
 
 def test_round_trips_two_for_a_first_request_one_for_a_replay(
-    app: Flask, key: str, monkeypatch: Any
+    app: Flask, key: str, store_statements: Callable[[Flask], list[str]]
 ) -> None:
     client = app.test_client()
     post(client, "/payments", key + "-warm")  # the schema check and the pool warm-up
-    pool = app.extensions["idempotency"].store.pool
-    statements: list[str] = []
-    original = psycopg.Connection.execute
-
-    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "_pool", None) is pool:
-            statements.append(str(query)[:40])
-        return original(self, query, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    statements = store_statements(app)
     post(client, "/payments", key)
     assert len(statements) == 2, statements  # the claim, then the completion
     statements.clear()

@@ -283,21 +283,15 @@ def test_expired_key_is_used_afresh(make_app: Callable[..., Flask], key: str, db
 
 
 def test_replay_cache_answers_without_a_query(
-    make_app: Callable[..., Flask], key: str, db: DB, monkeypatch: Any
+    make_app: Callable[..., Flask],
+    key: str,
+    db: DB,
+    store_statements: Callable[[Flask], list[str]],
 ) -> None:
     app = make_app(IDEMPOTENCY_REPLAY_CACHE_SIZE=100)
     client = app.test_client()
     first = post(client, "/payments", key)
-    pool = app.extensions["idempotency"].store.pool
-    queries: list[object] = []
-    original = psycopg.Connection.execute
-
-    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "_pool", None) is pool:
-            queries.append(query)
-        return original(self, query, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    queries = store_statements(app)
     replay = post(client, "/payments", key)
     assert replay.data == first.data and replay.headers["Idempotent-Replayed"] == "true"
     problem(post(client, "/payments", key, {"amount": 1}), 422, "key-reused")
