@@ -49,6 +49,16 @@ class IdempotencyState:
     store: PostgresStore
     _waiter: CompletionWaiter | None = None
     _waiter_pid: int = 0
+    #: each route's settings, merged once: keyed by the id of the route's own
+    #: (immortal, decoration-time) options dict
+    _routes: dict[int, RouteSettings] = dataclasses.field(default_factory=dict)
+
+    def route_settings(self, overrides: dict[str, Any]) -> RouteSettings:
+        """The app's settings with one route's options applied, computed once."""
+        settings = self._routes.get(id(overrides))
+        if settings is None:
+            settings = self._routes[id(overrides)] = self.settings.route.override(overrides)
+        return settings
 
     @property
     def waiter(self) -> CompletionWaiter:
@@ -147,7 +157,7 @@ class Idempotency:
             @functools.wraps(view)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 state = _state()
-                settings = state.settings.route.override(overrides)
+                settings = state.route_settings(overrides)
                 early = self._begin(state, settings, transactional)
                 if early is not None:
                     return early  # type: ignore[return-value]
