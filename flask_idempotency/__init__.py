@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from . import signals
 from .claim import ClaimedKey, current_idempotency
-from .config import ConfigError
 from .errors import (
+    AttemptSuperseded,
+    ConfigError,
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
@@ -19,9 +20,10 @@ from .errors import (
     StoreUnavailable,
 )
 from .extension import Idempotency
-from .store import KeyStatus
+from .model import KeyStatus
 
 __all__ = [
+    "AttemptSuperseded",
     "ClaimedKey",
     "ConfigError",
     "FingerprintMismatch",

@@ -15,8 +15,9 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict
+from datetime import timedelta
 
-from .store import StoredResponse
+from .model import ClaimOutcome, Decision, StoredResponse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,28 @@ class ReplayCache:
                 return None
             self._entries.move_to_end((tenant, key))
             return entry
+
+    def outcome(self, tenant: str, key: str, fingerprint: bytes) -> ClaimOutcome | None:
+        """A replay (or a mismatch) answered from memory, without a query; None on a miss."""
+        hit = self.get(tenant, key)
+        if hit is None:
+            return None
+        if hit.fingerprint != fingerprint:
+            return ClaimOutcome(Decision.MISMATCH, attempt=hit.attempt)
+        return ClaimOutcome(Decision.REPLAY, attempt=hit.attempt, response=hit.response)
+
+    def remember(self, tenant: str, key: str, fingerprint: bytes, outcome: ClaimOutcome) -> None:
+        """Cache a replay the claim has just read from the store."""
+        if outcome.response is not None:
+            self.put(
+                tenant, key, fingerprint, outcome.response, outcome.attempt, outcome.expires_in
+            )
+
+    def remember_stored(
+        self, tenant: str, key: str, outcome: ClaimOutcome, response: StoredResponse, ttl: timedelta
+    ) -> None:
+        """Cache a response that has just been committed as completed by *outcome*."""
+        self.put(tenant, key, outcome.fingerprint, response, outcome.attempt, ttl.total_seconds())
 
     def put(
         self,

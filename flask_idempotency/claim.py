@@ -13,10 +13,10 @@ from flask import g
 from werkzeug.local import LocalProxy
 
 from .config import RouteSettings
-from .store import ClaimOutcome
+from .model import ClaimOutcome
 
 if TYPE_CHECKING:
-    from .postgres import PostgresStore
+    from .postgres import PinnedConnection, PostgresStore
 
 _G_NAME = "_idempotency_claim"
 
@@ -33,7 +33,7 @@ class ClaimedKey:
         store: PostgresStore,
         *,
         protected: bool = True,
-        pinned: psycopg.Connection[Any] | None = None,
+        pinned: PinnedConnection | None = None,
     ) -> None:
         #: the tenant the key belongs to (``""`` without a tenant loader)
         self.tenant = tenant
@@ -73,7 +73,7 @@ class ClaimedKey:
                 " @idempotency.idempotent(transactional=True); use"
                 " current_idempotency.phase(name) for committed steps in other views."
             )
-        return self.pinned
+        return self.pinned.conn
 
     @contextmanager
     def phase(self, name: str) -> Iterator[psycopg.Connection[Any]]:

@@ -1,4 +1,9 @@
-"""``flask idempotency-init`` and ``flask idempotency-clean``."""
+"""The operators' commands, registered on ``app.cli`` by ``init_app``.
+
+``flask idempotency-init`` (create the table), ``idempotency-clean`` (expired keys and
+abandoned claims, from cron), ``idempotency-list``, ``idempotency-show`` and
+``idempotency-resolve`` (look at stuck keys and settle them by hand).
+"""
 
 from __future__ import annotations
 
@@ -10,24 +15,23 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from .errors import StoreError
-from .postgres import PostgresStore
-from .store import KeyStatus, StoredResponse
+from .maintenance import Maintenance
+from .model import KeyStatus, StoredResponse
+from .state import get_state
 
 
-def _store() -> PostgresStore:
-    from .extension import _state
-
-    return _state().store
+def _maintenance() -> Maintenance:
+    return get_state().maintenance
 
 
 @click.command("idempotency-init", help="Create the idempotency table and its indexes if missing.")
 @with_appcontext
 def init_command() -> None:
-    store = _store()
+    store = get_state().store
     try:
         with store.pool.connection() as conn:
             created = store.create_schema(conn)
-    except Exception as exc:  # noqa: BLE001 - one line for the operator, not a traceback
+    except Exception as exc:  # one line for the operator, not a traceback
         raise click.ClickException(f"cannot create the schema: {exc}") from exc
     table = store.settings.table
     click.echo(f"created table {table}" if created else f"table {table} already exists")
@@ -55,22 +59,22 @@ def init_command() -> None:
 @click.option("--dry-run", is_flag=True, help="Only count what would be done; change nothing.")
 @with_appcontext
 def clean_command(batch_size: int, margin: float, dry_run: bool) -> None:
-    store = _store()
-    route = store.settings.route
+    maintenance = _maintenance()
+    route = get_state().settings.route
     abandoned_status = KeyStatus.RETRYABLE if route.on_abandoned == "retry" else KeyStatus.UNKNOWN
     grace = timedelta(seconds=margin)
     try:
         if dry_run:
-            expired = store.count_expired()
-            abandoned = store.count_abandoned(grace)
+            expired = maintenance.count_expired()
+            abandoned = maintenance.count_abandoned(grace)
             click.echo(
                 f"dry run: would delete {expired} expired keys and mark {abandoned}"
                 f" abandoned claims {abandoned_status.value}"
             )
             return
-        deleted = _batches(lambda: store.delete_expired(batch_size), batch_size)
+        deleted = _batches(lambda: maintenance.delete_expired(batch_size), batch_size)
         marked = _batches(
-            lambda: store.mark_abandoned(grace, abandoned_status, batch_size), batch_size
+            lambda: maintenance.mark_abandoned(grace, abandoned_status, batch_size), batch_size
         )
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -108,9 +112,9 @@ def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
 )
 @with_appcontext
 def list_command(status: str | None, tenant: str | None, older_than: float, limit: int) -> None:
-    store = _store()
+    maintenance = _maintenance()
     try:
-        rows = store.list_keys(
+        rows = maintenance.list_keys(
             status=KeyStatus(status) if status else None,
             tenant=tenant,
             older_than=timedelta(seconds=older_than),
@@ -133,9 +137,9 @@ def list_command(status: str | None, tenant: str | None, older_than: float, limi
 @click.option("--tenant", default="", help="The key's tenant (default: the empty tenant).")
 @with_appcontext
 def show_command(key: str, tenant: str) -> None:
-    store = _store()
+    maintenance = _maintenance()
     try:
-        row = store.get_key(tenant, key)
+        row = maintenance.get_key(tenant, key)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     if row is None:
@@ -182,7 +186,7 @@ def resolve_command(
     body: str,
     headers: tuple[str, ...],
 ) -> None:
-    store = _store()
+    maintenance = _maintenance()
     response = None
     if outcome == "completed":
         if status_code is None:
@@ -197,8 +201,8 @@ def resolve_command(
     elif status_code is not None or body or headers:
         raise click.UsageError("--status, --body and --header go with --as completed")
     try:
-        done = store.resolve(
-            tenant, key, KeyStatus(outcome), ttl=store.settings.route.ttl, response=response
+        done = maintenance.resolve(
+            tenant, key, KeyStatus(outcome), ttl=get_state().settings.route.ttl, response=response
         )
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc

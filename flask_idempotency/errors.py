@@ -20,13 +20,17 @@ from werkzeug.exceptions import (
     UnprocessableEntity,
 )
 
-from .config import DEFAULTS, PROBLEM_TYPE_BASE
-
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+#: the default of ``IDEMPOTENCY_PROBLEM_TYPE_BASE``
+DEFAULT_PROBLEM_TYPE_BASE = "tag:flask-idempotency,2026:problem:"
 
 
 class IdempotencyError(Exception):
     """The root of every error raised by flask-idempotency."""
+
+
+class ConfigError(IdempotencyError, ValueError):
+    """A setting has a value the extension cannot use; the message says how to fix it."""
 
 
 class StoreError(IdempotencyError):
@@ -56,9 +60,8 @@ class ProblemError(IdempotencyError, HTTPException):
         detail: str,
         *,
         retry_after_seconds: int | None = None,
-        type_base: str = DEFAULTS[PROBLEM_TYPE_BASE],
+        type_base: str = DEFAULT_PROBLEM_TYPE_BASE,
         error_format: str = "problem",
-        **extensions: Any,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
@@ -69,8 +72,6 @@ class ProblemError(IdempotencyError, HTTPException):
         #: sent as ``Retry-After`` where a retry can succeed
         self.retry_after_seconds = retry_after_seconds
         self.type_base = type_base
-        #: extra members of the problem object (e.g. ``key``)
-        self.extensions = extensions
 
     @property
     def problem_type(self) -> str:
@@ -81,13 +82,12 @@ class ProblemError(IdempotencyError, HTTPException):
         """The problem object (RFC 9457) as JSON, or Stripe's error object."""
         if self.error_format == "stripe":
             error = {"type": self.stripe_type, "code": self.slug, "message": self.detail}
-            return json.dumps({"error": {**error, **self.extensions}})
+            return json.dumps({"error": error})
         body = {
             "type": self.problem_type,
             "title": self.title,
             "status": self.code,
             "detail": self.detail,
-            **self.extensions,
         }
         return json.dumps(body)
 

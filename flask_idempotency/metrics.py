@@ -21,9 +21,10 @@ from prometheus_client.registry import Collector
 
 from . import signals
 from .errors import StoreError
-from .postgres import PostgresStore
+from .maintenance import Maintenance
+from .state import get_state
 
-#: signal → the ``decision`` label it counts under
+#: the ``decision`` label → the signal it counts
 DECISIONS = {
     "claimed": signals.claimed,
     "retried": signals.retried,
@@ -77,21 +78,21 @@ class PrometheusMetrics:
             signal.connect(receive, app)
             self._receivers.append(receive)  # blinker holds receivers weakly
         app.extensions["idempotency_metrics"] = self  # and so keeps them alive with the app
-        self.registry.register(StuckKeysCollector(app.extensions["idempotency"].store))
+        self.registry.register(StuckKeysCollector(get_state(app).maintenance))
 
 
 class StuckKeysCollector(Collector):
     """Reads how many keys are stuck, at scrape time, with one indexed query."""
 
-    def __init__(self, store: PostgresStore) -> None:
-        self.store = store
+    def __init__(self, maintenance: Maintenance) -> None:
+        self.maintenance = maintenance
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "idempotency_stuck_keys", "Keys that need attention, by state.", labels=["state"]
         )
         try:
-            abandoned, unknown = self.store.count_stuck()
+            abandoned, unknown = self.maintenance.count_stuck()
         except StoreError:
             return
         family.add_metric(["abandoned"], abandoned)

@@ -10,12 +10,14 @@ Each request costs at most two statements, each its own transaction:
 * the *finish* stores the response (or marks the key retryable or unknown) in one
   UPDATE fenced by the attempt, so a zombie attempt cannot overwrite a newer one.
 
-A replay is the claim alone, and writes nothing.
+A replay is the claim alone, and writes nothing. This module only runs SQL: what a
+request does with the answers is :mod:`.handler`'s and :mod:`.ending`'s business.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -27,37 +29,39 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
-from psycopg.rows import TupleRow, dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
-from .cache import ReplayCache
-from .config import OnAbandoned, Settings
+from .config import RouteSettings, Settings
 from .errors import AttemptSuperseded, StoreError
 from .keys import lock_id
-from .queries import (
-    ADVANCE,
-    ASYNC_COMMIT,
-    CLAIM,
-    COUNT_ABANDONED,
-    COUNT_EXPIRED,
-    COUNT_STUCK,
-    DELETE_EXPIRED,
-    FINISH,
-    LIST_KEYS,
-    MARK_ABANDONED,
-    RESOLVE_KEY,
-    SCHEMA,
-    SCHEMA_PRESENT,
-    SHOW_KEY,
-)
-from .store import ClaimOutcome, Decision, KeyStatus, StoredResponse
+from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
+from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, SCHEMA, SCHEMA_PRESENT
 
 logger = logging.getLogger("flask_idempotency")
 
 
+@contextmanager
+def store_errors() -> Iterator[None]:
+    """Turn the driver's errors (a pool timeout included) into :class:`StoreError`."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+
+
+@dataclasses.dataclass
+class PinnedConnection:
+    """A pooled connection held for a whole ``transactional=True`` view, inside the
+    claim's open transaction."""
+
+    conn: psycopg.Connection[Any]
+    #: the connection's own autocommit flag, restored when it goes back to the pool
+    autocommit: bool
+
+
 class PostgresStore:
-    """Owns the per-process connection pool and runs every statement of the extension.
+    """Owns the per-process connection pool and runs the request path's statements.
 
     The pool is created on first use in each process, so nothing is opened before
     gunicorn forks its workers; a pool inherited through ``fork()`` is left alone
@@ -83,19 +87,15 @@ class PostgresStore:
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
             sql.Literal(self.channel)
         )
-        self._claim = self._render(CLAIM)
+        self._claim = self.render(CLAIM)
         commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
-        self._finish = self._render(FINISH, notify=sql.SQL("1"), commit_mode=commit_mode)
-        self._finish_notify = self._render(FINISH, notify=notify, commit_mode=commit_mode)
-        self._advance = self._render(ADVANCE)
+        self._finish = self.render(FINISH, notify=sql.SQL("1"), commit_mode=commit_mode)
+        self._finish_notify = self.render(FINISH, notify=notify, commit_mode=commit_mode)
+        self._advance = self.render(ADVANCE)
         self._notify = sql.SQL("SELECT {}").format(notify).as_string()
-        self._autocommit: dict[int, bool] = {}
-        #: completed responses of this process (IDEMPOTENCY_REPLAY_CACHE_SIZE > 0)
-        self.replay_cache = (
-            ReplayCache(settings.replay_cache_size) if settings.replay_cache_size else None
-        )
 
-    def _render(self, query: str, **parts: sql.Composable) -> str:
+    def render(self, query: str, **parts: sql.Composable) -> str:
+        """*query* with ``{table}`` (and any other *parts*) filled in."""
         return sql.SQL(query).format(table=self.table, **parts).as_string()
 
     # -- connections ---------------------------------------------------------------
@@ -134,34 +134,31 @@ class PostgresStore:
             open=False,
         )
         pool.open(wait=False)
-        atexit.register(pool.close)
+        atexit.register(_close_in_owner, pool, os.getpid())
         return pool
 
-    def _checkout(self, pool: ConnectionPool[Any]) -> psycopg.Connection[Any]:
-        """A connection from *pool*, once the schema is there; StoreError if none comes."""
+    def _checkout(self) -> psycopg.Connection[Any]:
+        """A connection from the pool, once the schema is there; StoreError if none comes."""
+        pool = self.pool
         if not self._schema_ready and self.settings.create_table:
             self._ensure_schema(pool)
-        try:
+        with store_errors():
             conn: psycopg.Connection[Any] = pool.getconn()
-        except PoolTimeout as exc:
-            raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
         return conn
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[TupleRow]]:
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled connection for one unit of work; store failures become StoreError."""
-        pool = self.pool
-        conn = self._checkout(pool)
+        conn = self._checkout()
         # getconn/putconn rather than pool.connection(): the extension's connections
         # are in autocommit, so there is no transaction to end on the way back.
         try:
-            yield conn
-            if not conn.autocommit:  # a pool passed in by the app
-                conn.commit()
-        except psycopg.Error as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+            with store_errors():
+                yield conn
+                if not conn.autocommit:  # a pool passed in by the app
+                    conn.commit()
         finally:
-            pool.putconn(conn)
+            self.pool.putconn(conn)
 
     def close(self) -> None:
         """Close the pool this store opened (a pool passed in is the caller's to close)."""
@@ -176,14 +173,8 @@ class PostgresStore:
         with self._lock:
             if self._schema_ready:
                 return
-            self._schema_ready = False
-            try:
-                with pool.connection() as conn:
-                    self.create_schema(conn)
-            except PoolTimeout as exc:
-                raise StoreError(f"no database connection within {pool.timeout:g} s") from exc
-            except psycopg.Error as exc:
-                raise StoreError(f"creating the schema failed: {exc}") from exc
+            with store_errors(), pool.connection() as conn:
+                self.create_schema(conn)
             self._schema_ready = True
 
     def create_schema(self, conn: psycopg.Connection[Any]) -> bool:
@@ -224,77 +215,43 @@ class PostgresStore:
         tenant: str,
         key: str,
         fingerprint: bytes,
-        *,
-        lease: timedelta,
-        ttl: timedelta,
-        on_abandoned: OnAbandoned,
-        conn: psycopg.Connection[Any] | None = None,
+        terms: RouteSettings,
+        pinned: PinnedConnection | None = None,
     ) -> ClaimOutcome:
-        """Decide what this request does with *key*, and claim it if the view must run.
+        """Decide what this request does with *key*, and claim it if the view must run,
+        under the lease, TTL and abandoned-claim policy of *terms*.
 
-        With *conn* (pinned by :meth:`pin`), the claim joins that connection's open
-        transaction: its lock and row last until :meth:`unpin` commits or rolls back.
+        With *pinned*, the claim joins that connection's open transaction: its lock
+        and row last until :meth:`unpin` commits or rolls back.
         """
         params = {
             "tenant": tenant,
             "key": key,
             "fingerprint": fingerprint,
             "lock_id": lock_id(tenant, key),
-            "lease": lease,
-            "ttl": ttl,
-            "on_abandoned": "taken_over" if on_abandoned == "retry" else "marked_unknown",
+            "lease": terms.lease,
+            "ttl": terms.ttl,
+            "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
         }
-        if conn is not None:
-            row = self._run_pinned(conn, self._claim, params).fetchone()
-        else:
-            with self.connection() as pooled:
-                row = pooled.execute(self._claim, params).fetchone()
+        _, row = self._run(self._claim, params, pinned)
         assert row is not None
-        (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
-        decision = Decision(intent)
-        if decision in (Decision.CLAIMED, Decision.TAKEN_OVER):
-            if attempt is None:  # a twin holds the lock, or won the race to the row
-                return ClaimOutcome(Decision.IN_PROGRESS)
-            return ClaimOutcome(
-                decision,
-                fingerprint=fingerprint,
-                attempt=attempt,
-                generation=generation,
-                recovery_point=point,
-                previous_attempt=seen_attempt or 0,
-                previous_status=KeyStatus(seen_status) if seen_status else None,
-            )
-        if decision is Decision.MARKED_UNKNOWN and not marked:
-            return ClaimOutcome(Decision.IN_PROGRESS)
-        if decision is Decision.REPLAY:
-            status, headers, body, expires_in = row[7:11]
-            response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
-            if self.replay_cache is not None:
-                self.replay_cache.put(
-                    tenant, key, fingerprint, response, seen_attempt, float(expires_in)
-                )
-            return ClaimOutcome(decision, attempt=seen_attempt, response=response)
-        return ClaimOutcome(decision, attempt=seen_attempt or 0)
+        return _claim_outcome(row, fingerprint)
 
-    def cached_outcome(self, tenant: str, key: str, fingerprint: bytes) -> ClaimOutcome | None:
-        """A replay (or a mismatch) answered from the replay cache, without a query."""
-        if self.replay_cache is None:
-            return None
-        hit = self.replay_cache.get(tenant, key)
-        if hit is None:
-            return None
-        if hit.fingerprint != fingerprint:
-            return ClaimOutcome(Decision.MISMATCH, attempt=hit.attempt)
-        return ClaimOutcome(Decision.REPLAY, attempt=hit.attempt, response=hit.response)
-
-    def remember(
-        self, tenant: str, key: str, outcome: ClaimOutcome, response: StoredResponse, ttl: timedelta
-    ) -> None:
-        """Cache a response that has just been committed as completed."""
-        if self.replay_cache is not None:
-            self.replay_cache.put(
-                tenant, key, outcome.fingerprint, response, outcome.attempt, ttl.total_seconds()
-            )
+    def claim_pinned(
+        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings
+    ) -> tuple[ClaimOutcome, PinnedConnection | None]:
+        """Claim on a connection pinned for a transactional view; the connection is
+        returned only when this request owns the key (else it goes back at once)."""
+        pinned = self.pin()
+        try:
+            outcome = self.claim(tenant, key, fingerprint, terms, pinned)
+        except BaseException:
+            self.unpin(pinned, commit=False)
+            raise
+        if outcome.owns_key:
+            return outcome, pinned
+        self.unpin(pinned, commit=True)
+        return outcome, None
 
     def finish(
         self,
@@ -306,11 +263,11 @@ class PostgresStore:
         ttl: timedelta,
         response: StoredResponse | None = None,
         notify: bool = False,
-        conn: psycopg.Connection[Any] | None = None,
+        pinned: PinnedConnection | None = None,
     ) -> bool:
         """End the attempt *outcome* with *status*; False if a newer attempt owns the key.
 
-        With *conn*, the UPDATE joins that pinned connection's transaction.
+        With *pinned*, the UPDATE joins that connection's transaction.
         """
         params = {
             "tenant": tenant,
@@ -319,52 +276,61 @@ class PostgresStore:
             "generation": outcome.generation,
             "status": status.value,
             "ttl": ttl,
-            "response_status": response.status if response else None,
-            "response_headers": Jsonb(response.headers) if response else None,
-            "response_body": response.body if response else None,
+            **response_params(response),
             "lock_id": lock_id(tenant, key),
         }
         query = self._finish_notify if notify else self._finish
-        if conn is not None:
-            return self._run_pinned(conn, query, params).rowcount == 1
-        with self.connection() as pooled:
-            return pooled.execute(query, params).rowcount == 1
+        rowcount, _ = self._run(query, params, pinned)
+        return rowcount == 1
+
+    def notify(self, tenant: str, key: str) -> None:
+        """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
+        self._run(self._notify, {"lock_id": lock_id(tenant, key)})
+
+    def _run(
+        self, query: str, params: dict[str, Any], pinned: PinnedConnection | None = None
+    ) -> tuple[int, tuple[Any, ...] | None]:
+        """Run one statement, on *pinned* or on a pooled connection: its row count and
+        its first row."""
+        with self._connection_for(pinned) as conn:
+            cur = conn.execute(query, params)
+            return cur.rowcount, cur.fetchone() if cur.description else None
+
+    @contextmanager
+    def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
+        if pinned is None:
+            with self.connection() as conn:
+                yield conn
+        else:
+            with store_errors():
+                yield pinned.conn
 
     # -- transactional views and phases ---------------------------------------------
 
-    def pin(self) -> psycopg.Connection[Any]:
+    def pin(self) -> PinnedConnection:
         """Check a connection out for a whole transactional view, in a transaction."""
-        conn = self._checkout(self.pool)
-        self._autocommit[id(conn)] = conn.autocommit
+        conn = self._checkout()
+        pinned = PinnedConnection(conn, conn.autocommit)
         conn.autocommit = False
-        return conn
+        return pinned
 
-    def unpin(self, conn: psycopg.Connection[Any], *, commit: bool) -> None:
+    def unpin(self, pinned: PinnedConnection, *, commit: bool) -> None:
         """End the pinned transaction and return the connection to the pool.
 
         The transaction-scoped advisory lock ends with it; a connection whose
         transaction cannot be ended is closed by the pool, never reused.
         """
+        conn = pinned.conn
         try:
-            if commit:
-                conn.commit()
-            else:
-                conn.rollback()
-        except psycopg.Error as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
+            with store_errors():
+                if commit:
+                    conn.commit()
+                else:
+                    conn.rollback()
         finally:
-            autocommit = self._autocommit.pop(id(conn), True)
             if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
-                conn.autocommit = autocommit
+                conn.autocommit = pinned.autocommit
             self.pool.putconn(conn)
-
-    def _run_pinned(
-        self, conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
-    ) -> psycopg.Cursor[Any]:
-        try:
-            return conn.execute(query, params)
-        except psycopg.Error as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
 
     @contextmanager
     def phase(
@@ -375,7 +341,7 @@ class PostgresStore:
 
         :raises AttemptSuperseded: another attempt owns the key now; nothing commits.
         """
-        conn = self._checkout(self.pool)
+        conn = self._checkout()
         try:
             with conn.transaction():
                 yield conn
@@ -395,92 +361,45 @@ class PostgresStore:
         finally:
             self.pool.putconn(conn)
 
-    def notify(self, tenant: str, key: str) -> None:
-        """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
-        with self.connection() as conn:
-            conn.execute(self._notify, {"lock_id": lock_id(tenant, key)})
 
-    # -- maintenance ---------------------------------------------------------------
+def response_params(response: StoredResponse | None) -> dict[str, Any]:
+    """The bound parameters that store *response* (all NULL without one)."""
+    return {
+        "response_status": response.status if response else None,
+        "response_headers": Jsonb(response.headers) if response else None,
+        "response_body": response.body if response else None,
+    }
 
-    def delete_expired(self, batch_size: int) -> int:
-        """Delete one batch of finished keys past ``expires_at``; the number deleted."""
-        with self.connection() as conn:
-            cur = conn.execute(
-                sql.SQL(DELETE_EXPIRED).format(table=self.table), {"batch": batch_size}
-            )
-            return cur.rowcount
 
-    def count_expired(self) -> int:
-        """How many finished keys are past ``expires_at``."""
-        return self._count(COUNT_EXPIRED, {})
+def _claim_outcome(row: tuple[Any, ...], fingerprint: bytes) -> ClaimOutcome:
+    """What the claim statement's one row means."""
+    (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
+    decision = Decision(intent)
+    if decision in (Decision.CLAIMED, Decision.TAKEN_OVER):
+        if attempt is None:  # a twin holds the lock, or won the race to the row
+            return ClaimOutcome(Decision.IN_PROGRESS)
+        return ClaimOutcome(
+            decision,
+            fingerprint=fingerprint,
+            attempt=attempt,
+            generation=generation,
+            recovery_point=point,
+            previous_attempt=seen_attempt or 0,
+            previous_status=KeyStatus(seen_status) if seen_status else None,
+        )
+    if decision is Decision.MARKED_UNKNOWN and not marked:
+        return ClaimOutcome(Decision.IN_PROGRESS)
+    if decision is Decision.REPLAY:
+        status, headers, body, expires_in = row[7:11]
+        response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
+        return ClaimOutcome(
+            decision, attempt=seen_attempt, response=response, expires_in=float(expires_in)
+        )
+    return ClaimOutcome(decision, attempt=seen_attempt or 0)
 
-    def mark_abandoned(self, margin: timedelta, status: KeyStatus, batch_size: int) -> int:
-        """Mark one batch of claims whose lease ended more than *margin* ago."""
-        params = {"margin": margin, "status": status.value, "batch": batch_size}
-        with self.connection() as conn:
-            cur = conn.execute(sql.SQL(MARK_ABANDONED).format(table=self.table), params)
-            return cur.rowcount
 
-    def count_abandoned(self, margin: timedelta) -> int:
-        """How many claims have had their lease end more than *margin* ago."""
-        return self._count(COUNT_ABANDONED, {"margin": margin})
-
-    def list_keys(
-        self,
-        *,
-        status: KeyStatus | None,
-        tenant: str | None,
-        older_than: timedelta,
-        limit: int,
-    ) -> list[dict[str, Any]]:
-        """Keys by status and age, oldest first, for operators."""
-        params = {
-            "status": status.value if status else None,
-            "tenant": tenant,
-            "older_than": older_than,
-            "limit": limit,
-        }
-        with self.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(sql.SQL(LIST_KEYS).format(table=self.table), params).fetchall()
-
-    def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
-        """Everything stored for one key, or None."""
-        with self.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            query = sql.SQL(SHOW_KEY).format(table=self.table)
-            return cur.execute(query, {"tenant": tenant, "key": key}).fetchone()
-
-    def resolve(
-        self,
-        tenant: str,
-        key: str,
-        status: KeyStatus,
-        *,
-        ttl: timedelta,
-        response: StoredResponse | None = None,
-    ) -> bool:
-        """Resolve an ``unknown`` key as retryable, or as completed with *response*."""
-        params = {
-            "tenant": tenant,
-            "key": key,
-            "status": status.value,
-            "ttl": ttl,
-            "response_status": response.status if response else None,
-            "response_headers": Jsonb(response.headers) if response else None,
-            "response_body": response.body if response else None,
-        }
-        with self.connection() as conn:
-            return conn.execute(sql.SQL(RESOLVE_KEY).format(table=self.table), params).rowcount == 1
-
-    def count_stuck(self) -> tuple[int, int]:
-        """Claims whose lease ran out, and keys in ``unknown``."""
-        with self.connection() as conn:
-            row = conn.execute(sql.SQL(COUNT_STUCK).format(table=self.table)).fetchone()
-        assert row is not None
-        return int(row[0]), int(row[1])
-
-    def _count(self, query: str, params: dict[str, Any]) -> int:
-        with self.connection() as conn:
-            row = conn.execute(sql.SQL(query).format(table=self.table), params).fetchone()
-        return int(row[0]) if row else 0
+def _close_in_owner(pool: ConnectionPool[Any], owner_pid: int) -> None:
+    """The atexit hook of a pool: a forked child inherits the hook, but the pool (and
+    its connections) belong to the process that opened it."""
+    if os.getpid() == owner_pid:
+        pool.close()

@@ -314,7 +314,7 @@ def test_replay_cache_entries_expire_with_the_key(
             == (True,)
         )
     )
-    wait_until(lambda: app.extensions["idempotency"].store.replay_cache.get("", key) is None)
+    wait_until(lambda: app.extensions["idempotency"].replay_cache.get("", key) is None)
     fresh = post(client, "/payments", key, {"amount": 7})
     assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
     assert executions(db, key) == 2

@@ -1,4 +1,4 @@
-"""The store's data types: what a key's row says and what a claim decided. No SQL."""
+"""The data model: a key's status, what a claim decided, a stored response. No SQL."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ class ClaimOutcome:
     previous_attempt: int = 0
     previous_status: KeyStatus | None = None
     response: StoredResponse | None = None
+    #: seconds until a replayed key expires (by the database's clock)
+    expires_in: float = 0.0
 
     @property
     def owns_key(self) -> bool:

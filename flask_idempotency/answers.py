@@ -1,0 +1,127 @@
+"""What each decision answers: its signal, its log line, and its response or problem.
+
+One table, :data:`ANSWERS`, maps a :class:`~.model.Decision` to the log level and the
+problem it raises (if any); :func:`answer` applies it. A new decision is a new row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from blinker import NamedSignal
+from flask import Response, current_app
+
+from . import signals
+from .config import RouteSettings
+from .errors import FingerprintMismatch, OutcomeUnknown, ProblemError, RequestInProgress
+from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
+
+logger = logging.getLogger("flask_idempotency")
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """How one decision is answered."""
+
+    level: int
+    #: the problem raised to the client; ``None``: the view runs, or the replay is sent
+    problem: type[ProblemError] | None = None
+    #: the problem's detail; ``{header}`` is the route's key header
+    detail: str = ""
+    #: send ``Retry-After``: a retry can succeed
+    retry_after: bool = False
+
+
+_UNKNOWN = Answer(
+    logging.WARNING,
+    OutcomeUnknown,
+    "The outcome of the request with this key is unknown (its processing was"
+    " interrupted). It will not run again automatically; contact support or use"
+    " a new key once you have checked whether it took effect.",
+)
+
+ANSWERS: dict[Decision, Answer] = {
+    Decision.CLAIMED: Answer(logging.DEBUG),
+    Decision.TAKEN_OVER: Answer(logging.INFO),
+    Decision.REPLAY: Answer(logging.DEBUG),
+    Decision.MISMATCH: Answer(
+        logging.INFO,
+        FingerprintMismatch,
+        "This {header} was already used for a different request"
+        " (another body, method or path). Use a new key for a new request.",
+    ),
+    Decision.IN_PROGRESS: Answer(
+        logging.INFO,
+        RequestInProgress,
+        "A request with this key is still being processed. Retry after a moment"
+        " to get its response.",
+        retry_after=True,
+    ),
+    Decision.UNKNOWN: _UNKNOWN,
+    Decision.MARKED_UNKNOWN: _UNKNOWN,
+}
+
+
+def answer(
+    settings: RouteSettings,
+    tenant: str,
+    key: str,
+    outcome: ClaimOutcome,
+    claim_seconds: float,
+    waited: float,
+) -> Response | None:
+    """Announce *outcome* (signals, log line), then answer it: ``None`` when the view
+    runs, the replayed response, or the decision's problem, raised."""
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    who: dict[str, Any] = {"tenant": tenant, "key": key, "claim_seconds": claim_seconds}
+    for signal, kwargs in _signals(outcome, waited):
+        signal.send(app, **who, **kwargs)
+    row = ANSWERS[outcome.decision]
+    logger.log(
+        row.level,
+        "decision=%s tenant=%r key=%r attempt=%d",
+        outcome.decision.value,
+        tenant,
+        key,
+        outcome.attempt,
+    )
+    if row.problem is not None:
+        detail = row.detail.format(header=settings.header)
+        raise settings.problem(row.problem, detail, retry_after=row.retry_after)
+    if outcome.response is not None:
+        return replay(outcome.response, settings)
+    return None
+
+
+def _signals(outcome: ClaimOutcome, waited: float) -> list[tuple[NamedSignal, dict[str, Any]]]:
+    """The signals a decision sends, with their own kwargs (see :mod:`.signals`)."""
+    attempt = {"attempt": outcome.attempt}
+    decision = outcome.decision
+    if decision is Decision.CLAIMED:
+        return [(signals.claimed, attempt)]
+    if decision is Decision.TAKEN_OVER:
+        if outcome.previous_status is KeyStatus.PROCESSING:
+            previous = {"previous_attempt": outcome.previous_attempt}
+            return [(signals.abandoned_taken_over, {**attempt, **previous})]
+        return [(signals.retried, attempt)]
+    if decision is Decision.REPLAY:
+        assert outcome.response is not None
+        return [(signals.replayed, {**attempt, "status": outcome.response.status})]
+    if decision is Decision.MISMATCH:
+        return [(signals.mismatch, {})]
+    reason = "in_progress" if decision is Decision.IN_PROGRESS else "unknown"
+    conflict = (signals.conflict, {"reason": reason, "waited": waited})
+    if decision is Decision.MARKED_UNKNOWN:
+        return [(signals.abandoned_marked_unknown, attempt), conflict]
+    return [conflict]
+
+
+def replay(stored: StoredResponse, settings: RouteSettings) -> Response:
+    """The stored response as the client gets it again, marked as a replay."""
+    response: Response = current_app.response_class(
+        stored.body, status=stored.status, headers=stored.headers
+    )
+    response.headers[settings.replay_header] = "true"
+    return response

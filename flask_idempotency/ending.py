@@ -1,0 +1,256 @@
+"""The request's way out: end the attempt with the response the view gave.
+
+An attempt's end is computed once, as an :class:`Ending` (the key's new status, why,
+the response to store, or the refusal to send instead), then applied in one place:
+as one fenced autocommit UPDATE for a plain view, or as the commit (or rollback) of
+the pinned transaction of a ``transactional=True`` view. Runs in Flask's
+``after_request`` hook, and in ``teardown_request`` when no response went through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any
+
+from flask import Flask, Response, current_app
+from werkzeug.exceptions import InternalServerError
+
+from . import signals
+from .claim import ClaimedKey, peek_claim, pop_claim
+from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
+from .model import KeyStatus, StoredResponse
+from .postgres import PinnedConnection
+from .state import get_state
+
+logger = logging.getLogger("flask_idempotency")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ending:
+    """How an attempt ends."""
+
+    #: the key's new status: ``completed`` (with :attr:`stored`), ``retryable`` or ``unknown``
+    status: KeyStatus
+    #: why it did not complete, for the log line and the ``released`` signal
+    reason: str = ""
+    #: the response stored for replay
+    stored: StoredResponse | None = None
+    #: the detail of the ``ResponseNotStorable`` problem the client gets instead
+    refusal: str | None = None
+
+
+# -- the hooks -------------------------------------------------------------------------
+
+
+def record_exception(sender: Flask, exception: BaseException, **_: Any) -> None:
+    """``got_request_exception`` receiver: the view raised and no handler took it."""
+    claim = peek_claim()
+    if claim is not None:
+        claim.exception = exception
+
+
+def after_request(response: Response) -> Response:
+    """End the request's claim with the response the client gets."""
+    claim = pop_claim()
+    if claim is None or not claim.protected:
+        return response
+    return finish(claim, response)
+
+
+def teardown_request(exc: BaseException | None) -> None:
+    """Reached with the claim still open only when no response went through
+    ``after_request``: the exception propagated (``PROPAGATE_EXCEPTIONS``, testing)
+    or another hook failed. The exception policy applies, with Flask's default 500."""
+    claim = pop_claim()
+    if claim is not None and claim.protected:
+        claim.exception = claim.exception or exc or RuntimeError("no response was produced")
+        finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
+
+
+def finish(claim: ClaimedKey, response: Response) -> Response:
+    """End *claim* with *response*; returns what the client gets."""
+    ending = ending_of(claim, response)
+    if claim.pinned is not None:
+        committed = _end_transaction(claim, ending)
+        if ending.stored is not None and not committed:
+            # Nothing committed: the client must not be told the work was done.
+            return _problem_response(
+                claim.settings.problem(
+                    StoreUnavailable,
+                    "The result could not be committed; nothing was done. Retry the request.",
+                    retry_after=True,
+                )
+            )
+    else:
+        _end_attempt(claim, ending)
+    if ending.refusal is not None:
+        return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
+    return response
+
+
+# -- computing the ending --------------------------------------------------------------
+
+
+def ending_of(claim: ClaimedKey, response: Response) -> Ending:
+    """How *claim* ends with *response*, per the route's settings.
+
+    A transactional view's work commits only with a stored response: any other
+    ending rolls it back, so nothing of it happened.
+    """
+    settings = claim.settings
+    transactional = claim.pinned is not None
+    if claim.released:
+        return Ending(KeyStatus.RETRYABLE, "released by the view")
+    if response.status_code in settings.release_statuses:
+        return Ending(KeyStatus.RETRYABLE, f"status {response.status_code}")
+    exception = claim.exception
+    if exception is not None and (transactional or settings.on_exception != "store"):
+        unknown = settings.on_exception == "unknown" and not transactional
+        status = KeyStatus.UNKNOWN if unknown else KeyStatus.RETRYABLE
+        return Ending(status, f"exception {type(exception).__name__}")
+    nothing = "; nothing was committed" if transactional else ""
+    if _truly_streamed(response):
+        return Ending(
+            KeyStatus.UNKNOWN,
+            "streamed response",
+            refusal="The view returned a streamed response, which cannot be stored for"
+            f" replay{nothing}. Idempotent views must return a complete body.",
+        )
+    body = response.get_data()
+    if len(body) > settings.max_response_bytes:
+        return Ending(
+            KeyStatus.UNKNOWN,
+            f"response of {len(body)} bytes",
+            refusal="The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
+            f" ({settings.max_response_bytes}){nothing}.",
+        )
+    headers = [
+        (n, v) for n, v in response.headers.items() if n.lower() not in settings.excluded_headers
+    ]
+    return Ending(KeyStatus.COMPLETED, stored=StoredResponse(response.status_code, headers, body))
+
+
+def _truly_streamed(response: Response) -> bool:
+    """A generator body or a file passed through: storing it would change what the
+    client gets (an endless stream, a file read later). Other iterables, such as
+    Flask's own error pages, are buffered and stored."""
+    return response.is_streamed and (
+        response.direct_passthrough or inspect.isgenerator(response.response)
+    )
+
+
+# -- applying it -----------------------------------------------------------------------
+
+
+def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
+    """A plain view: the one fenced UPDATE that ends the attempt.
+
+    A store failure is logged, never raised: the client still gets its answer, the
+    key stays ``processing`` until its lease ends, and then
+    ``IDEMPOTENCY_ON_ABANDONED`` decides.
+    """
+    settings = claim.settings
+    try:
+        owned = claim.store.finish(
+            claim.tenant,
+            claim.key,
+            claim.outcome,
+            ending.status,
+            ttl=settings.ttl,
+            response=ending.stored,
+            notify=settings.wait > 0,
+        )
+    except StoreError as exc:
+        _report_store_failure(claim, exc)
+        return
+    if not owned:
+        logger.warning(
+            "decision=fenced %s: a newer attempt owns the key; nothing was written",
+            _fields(claim),
+        )
+    _report(claim, ending, stored=owned)
+
+
+def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
+    """A transactional view: commit its writes with the stored response, or roll
+    everything back. True if the response committed."""
+    pinned, claim.pinned = claim.pinned, None
+    assert pinned is not None
+    try:
+        if ending.stored is not None:
+            _commit(claim, pinned, ending.stored)
+        else:
+            claim.store.unpin(pinned, commit=False)
+            if claim.settings.wait > 0:  # twins waiting on this key may claim it now
+                claim.store.notify(claim.tenant, claim.key)
+    except StoreError as exc:
+        _report_store_failure(claim, exc)
+        return False
+    _report(claim, ending, stored=True, transactional=True)
+    return ending.stored is not None
+
+
+def _commit(claim: ClaimedKey, pinned: PinnedConnection, stored: StoredResponse) -> None:
+    """Store the response in the pinned transaction and commit it with the view's writes."""
+    try:
+        claim.store.finish(
+            claim.tenant,
+            claim.key,
+            claim.outcome,
+            KeyStatus.COMPLETED,
+            ttl=claim.settings.ttl,
+            response=stored,
+            notify=claim.settings.wait > 0,
+            pinned=pinned,
+        )
+    except StoreError:
+        claim.store.unpin(pinned, commit=False)  # returns the connection in any case
+        raise
+    claim.store.unpin(pinned, commit=True)
+
+
+# -- telling about it --------------------------------------------------------------------
+
+
+def _report(
+    claim: ClaimedKey, ending: Ending, *, stored: bool, transactional: bool = False
+) -> None:
+    """The log line and the signal of an applied ending."""
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    who: dict[str, Any] = {"tenant": claim.tenant, "key": claim.key, "attempt": claim.attempt}
+    if ending.stored is not None:
+        if stored:
+            cache = get_state(app).replay_cache
+            if cache is not None:
+                cache.remember_stored(
+                    claim.tenant, claim.key, claim.outcome, ending.stored, claim.settings.ttl
+                )
+        suffix = " transactional" if transactional else ""
+        logger.debug("decision=stored %s status=%d%s", _fields(claim), ending.stored.status, suffix)
+        signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
+        return
+    status = "rolled_back" if transactional else ending.status.value
+    level = logging.WARNING if status == KeyStatus.UNKNOWN.value else logging.INFO
+    logger.log(level, "decision=%s %s reason=%s", status, _fields(claim), ending.reason)
+    signals.released.send(app, **who, status=status, reason=ending.reason)
+
+
+def _report_store_failure(claim: ClaimedKey, exc: StoreError) -> None:
+    logger.error("decision=store_failed %s error=%s", _fields(claim), exc)
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    signals.store_unavailable.send(
+        app, tenant=claim.tenant, key=claim.key, error=exc, fail_open=False
+    )
+
+
+def _fields(claim: ClaimedKey) -> str:
+    return f"tenant={claim.tenant!r} key={claim.key!r} attempt={claim.attempt!r}"
+
+
+def _problem_response(error: ProblemError) -> Response:
+    response: Response = current_app.response_class(
+        error.get_body(), error.code, error.get_headers()
+    )
+    return response

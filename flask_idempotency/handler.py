@@ -1,0 +1,228 @@
+"""The request's way in: identify the key, decide what to do with it, answer.
+
+``begin`` runs before the view (from the ``@idempotent`` wrapper). It reads the
+request into an :class:`Identity`, asks the store (or the replay cache) for a
+decision, waits for an in-flight twin when allowed, falls open when configured, and
+then either returns ``None`` (the view runs, with the claim in ``current_idempotency``),
+returns the replayed response, or raises the problem of the decision. The view's
+end is :mod:`.ending`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from flask import Response, current_app, request
+
+from . import signals
+from .answers import answer
+from .claim import ClaimedKey, set_claim
+from .config import RouteSettings
+from .errors import MissingKey, ProblemError, RequestTooLarge, StoreError, StoreUnavailable
+from .fingerprint import fingerprint
+from .keys import lock_id, parse_key
+from .model import ClaimOutcome, Decision
+from .postgres import PinnedConnection
+from .state import IdempotencyState
+
+logger = logging.getLogger("flask_idempotency")
+
+TenantLoader = Callable[[], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What names this request's key: its tenant, the key, and the request fingerprint."""
+
+    tenant: str
+    key: str
+    fingerprint: bytes
+
+    @property
+    def lock_id(self) -> int:
+        return lock_id(self.tenant, self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """The decision for this request, with the connection a transactional view holds."""
+
+    outcome: ClaimOutcome
+    pinned: PinnedConnection | None = None
+    #: how long the first look (replay cache or claim statement) took
+    claim_seconds: float = 0.0
+
+
+def begin(
+    state: IdempotencyState,
+    settings: RouteSettings,
+    transactional: bool,
+    tenant_loader: TenantLoader | None,
+) -> Response | None:
+    """Identify, decide, answer: ``None`` to run the view, or the replayed response.
+
+    :raises ProblemError: the answer is an error (400, 409, 422, 503, ...).
+    """
+    identity = identify(settings, tenant_loader)
+    if identity is None:
+        return None
+    started = time.monotonic()
+    try:
+        claim = decide(state, settings, identity, transactional)
+    except StoreError as exc:
+        _store_unavailable(state, settings, identity, transactional, exc)
+        return None
+    outcome = claim.outcome
+    if outcome.owns_key:
+        set_claim(
+            ClaimedKey(
+                identity.tenant,
+                identity.key,
+                outcome,
+                settings,
+                state.store,
+                pinned=claim.pinned,
+            )
+        )
+    waited = time.monotonic() - started
+    return answer(settings, identity.tenant, identity.key, outcome, claim.claim_seconds, waited)
+
+
+# -- identify ------------------------------------------------------------------------
+
+
+def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Identity | None:
+    """The request's key, tenant and fingerprint; ``None`` when it has no key and the
+    route does not require one.
+
+    :raises ProblemError: the key is missing (and required) or invalid, or the body is
+        too large.
+    """
+    values = request.headers.getlist(settings.header)
+    if not values:
+        if settings.required:
+            raise settings.problem(
+                MissingKey, f"This endpoint requires an {settings.header} header."
+            )
+        return None
+    try:
+        key = parse_key(values, settings.header)
+    except ProblemError as exc:
+        raise settings.problem(type(exc), exc.detail) from None
+    body = _request_body(settings)
+    tenant = _tenant(tenant_loader)
+    path = request.path
+    if request.query_string:
+        path += "?" + request.query_string.decode("latin-1")
+    return Identity(tenant, key, fingerprint(request.method, path, request.mimetype, body))
+
+
+def _tenant(loader: TenantLoader | None) -> str:
+    if loader is None:
+        return ""
+    tenant = loader()
+    if not isinstance(tenant, str):
+        raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
+    return tenant
+
+
+def _request_body(settings: RouteSettings) -> bytes:
+    limit = settings.max_request_bytes
+    length = request.content_length
+    if length is None or length <= limit:
+        # The body stays cached on the request, so the view can still read it.
+        body = request.get_data(cache=True)
+        if len(body) <= limit:
+            return body
+    raise settings.problem(
+        RequestTooLarge,
+        f"The request body exceeds {limit} bytes, the most an idempotent request may send.",
+    )
+
+
+# -- decide --------------------------------------------------------------------------
+
+
+def decide(
+    state: IdempotencyState, settings: RouteSettings, identity: Identity, transactional: bool
+) -> Claim:
+    """The decision for *identity*: from the replay cache, else from the claim, after
+    waiting up to ``settings.wait`` for an in-flight twin.
+
+    :raises StoreError: the store failed.
+    """
+    started = time.monotonic()
+    cache = state.replay_cache
+    if cache is not None:
+        cached = cache.outcome(identity.tenant, identity.key, identity.fingerprint)
+        if cached is not None:
+            return Claim(cached, claim_seconds=time.monotonic() - started)
+    claim = _claim(state, settings, identity, transactional)
+    claim_seconds = time.monotonic() - started
+    if claim.outcome.decision is Decision.IN_PROGRESS and settings.wait > 0:
+        claim = _wait_for_twin(state, settings, identity, transactional)
+    if cache is not None and claim.outcome.decision is Decision.REPLAY:
+        cache.remember(identity.tenant, identity.key, identity.fingerprint, claim.outcome)
+    return dataclasses.replace(claim, claim_seconds=claim_seconds)
+
+
+def _claim(
+    state: IdempotencyState, settings: RouteSettings, identity: Identity, transactional: bool
+) -> Claim:
+    """One claim statement; on a pinned connection for a transactional view."""
+    store = state.store
+    args = (identity.tenant, identity.key, identity.fingerprint, settings)
+    if transactional:
+        return Claim(*store.claim_pinned(*args))
+    return Claim(store.claim(*args))
+
+
+def _wait_for_twin(
+    state: IdempotencyState, settings: RouteSettings, identity: Identity, transactional: bool
+) -> Claim:
+    """Wait up to ``settings.wait`` for the twin holding the key to finish, woken by
+    its NOTIFY; then claim again (a replay, or the key itself if it was released)."""
+    deadline = time.monotonic() + settings.wait
+    with state.waiter.subscription(identity.lock_id) as finished:
+        claim = _claim(state, settings, identity, transactional)  # the twin may be done
+        while finished is not None and claim.outcome.decision is Decision.IN_PROGRESS:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            finished.wait(remaining)
+            finished.clear()
+            claim = _claim(state, settings, identity, transactional)
+    return claim
+
+
+def _store_unavailable(
+    state: IdempotencyState,
+    settings: RouteSettings,
+    identity: Identity,
+    transactional: bool,
+    exc: StoreError,
+) -> None:
+    """Fail open (run the view unprotected) when allowed, else raise the 503."""
+    tenant, key = identity.tenant, identity.key
+    fail_open = settings.fail_open and not transactional
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    signals.store_unavailable.send(app, tenant=tenant, key=key, error=exc, fail_open=fail_open)
+    if fail_open:
+        logger.warning(
+            "decision=fail_open tenant=%r key=%r error=%s: running the view unprotected",
+            tenant,
+            key,
+            exc,
+        )
+        outcome = ClaimOutcome(Decision.CLAIMED, attempt=1)
+        set_claim(ClaimedKey(tenant, key, outcome, settings, state.store, protected=False))
+        return
+    logger.error("decision=store_unavailable tenant=%r key=%r error=%s", tenant, key, exc)
+    raise settings.problem(
+        StoreUnavailable,
+        "The idempotency store is unavailable; the request was not processed. Retry later.",
+        retry_after=True,
+    ) from exc

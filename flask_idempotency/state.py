@@ -1,0 +1,83 @@
+"""What the extension keeps per app, in ``app.extensions["idempotency"]``, and its getter.
+
+The request hooks, the CLI and the metrics all reach the app's store through
+:func:`get_state`; none of them imports the extension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask, current_app
+
+from .cache import ReplayCache
+from .config import RouteSettings, Settings
+from .maintenance import Maintenance
+from .postgres import PostgresStore
+from .waiting import CompletionWaiter
+
+if TYPE_CHECKING:
+    from .extension import Idempotency
+
+EXTENSION_NAME = "idempotency"
+
+
+@dataclasses.dataclass
+class IdempotencyState:
+    """The per-app state: settings, store, caches and this process's listener."""
+
+    extension: Idempotency
+    settings: Settings
+    store: PostgresStore
+    _waiter: CompletionWaiter | None = None
+    _waiter_pid: int = 0
+    #: each route's settings, merged once: keyed by the id of the route's own
+    #: (immortal, decoration-time) options dict
+    _routes: dict[int, RouteSettings] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        #: the operators' statements on the same store
+        self.maintenance = Maintenance(self.store)
+        #: completed responses of this process (``IDEMPOTENCY_REPLAY_CACHE_SIZE`` > 0)
+        self.replay_cache = (
+            ReplayCache(self.settings.replay_cache_size)
+            if self.settings.replay_cache_size
+            else None
+        )
+
+    def route_settings(self, overrides: dict[str, Any]) -> RouteSettings:
+        """The app's settings with one route's options applied, computed once."""
+        settings = self._routes.get(id(overrides))
+        if settings is None:
+            settings = self._routes[id(overrides)] = self.settings.route.override(overrides)
+        return settings
+
+    @property
+    def waiter(self) -> CompletionWaiter:
+        """This process's listener for finished keys, made on first use."""
+        if self._waiter is None or self._waiter_pid != os.getpid():
+            conninfo = self.settings.listen_database_url or self.store.pool.conninfo
+            if callable(conninfo):
+                conninfo = conninfo()
+            self._waiter = CompletionWaiter(
+                conninfo, self.store.channel, self.settings.pool_timeout
+            )
+            self._waiter_pid = os.getpid()
+        return self._waiter
+
+
+def get_state(app: Flask | None = None) -> IdempotencyState:
+    """The extension's state of *app* (default: the current app).
+
+    :raises RuntimeError: the extension is not initialised on the app.
+    """
+    app = app if app is not None else current_app
+    try:
+        return app.extensions[EXTENSION_NAME]  # type: ignore[no-any-return]
+    except KeyError:
+        raise RuntimeError(
+            "flask-idempotency is not initialised on this app; call"
+            " idempotency.init_app(app) in your app factory."
+        ) from None
