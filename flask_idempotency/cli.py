@@ -30,7 +30,7 @@ def init_command() -> None:
     store = get_state().store
     try:
         with store.pool.connection() as conn:
-            created = store.create_schema(conn)
+            created = store.schema.create(conn)
     except Exception as exc:  # one line for the operator, not a traceback
         raise click.ClickException(f"cannot create the schema: {exc}") from exc
     table = store.settings.table

@@ -1,4 +1,4 @@
-"""PostgresStore: the pool, the schema, and running the statements of :mod:`.queries`.
+"""PostgresStore: the pool, and running the request path's statements of :mod:`.queries`.
 
 Each request costs at most two statements, each its own transaction:
 
@@ -36,7 +36,8 @@ from .config import RouteSettings, Settings
 from .errors import AttemptSuperseded, StoreError
 from .keys import lock_id
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
-from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, SCHEMA, SCHEMA_PRESENT
+from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH
+from .schema import Schema
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -75,13 +76,11 @@ class PostgresStore:
         self._pool_pid = 0
         self._schema_ready = False
         self._lock = threading.Lock()
-        parts = settings.table.split(".")
-        self.table = sql.Identifier(*parts)
-        schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
-        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
-        self._qualified = [settings.table] + [schema + i for i in self._index_names]
+        #: the table's schema objects (create, check, upgrade)
+        self.schema = Schema(settings.table)
+        self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
-        self.channel = f"{name}_finished"[:63]
+        self.channel = self.schema.channel
         # The request path's statements, composed once: psycopg re-renders a Composed
         # on every execute, but caches the parsing of a plain string.
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
@@ -174,39 +173,8 @@ class PostgresStore:
             if self._schema_ready:
                 return
             with store_errors(), pool.connection() as conn:
-                self.create_schema(conn)
+                self.schema.create(conn)
             self._schema_ready = True
-
-    def create_schema(self, conn: psycopg.Connection[Any]) -> bool:
-        """Create the table and its indexes if any is missing; True if DDL ran.
-
-        Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
-        when the index exists, which would queue behind live claims.
-        """
-        if self._schema_present(conn):
-            return False
-        with conn.transaction():
-            # Workers starting together must not race on CREATE TABLE IF NOT EXISTS.
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.settings.table)]
-            )
-            if self._schema_present(conn):
-                return False
-            conn.execute(
-                sql.SQL(SCHEMA).format(
-                    table=self.table,
-                    expires_index=sql.Identifier(self._index_names[0]),
-                    lease_index=sql.Identifier(self._index_names[1]),
-                    unknown_index=sql.Identifier(self._index_names[2]),
-                ),
-                prepare=False,
-            )
-        logger.info("created table %s and its indexes", self.settings.table)
-        return True
-
-    def _schema_present(self, conn: psycopg.Connection[Any]) -> bool:
-        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}).fetchone()
-        return row is not None and row[0] == len(self._qualified)
 
     # -- the request path ----------------------------------------------------------
 

@@ -1,15 +1,22 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from flask import Flask
+from gunicorn_server import GunicornServer
 from pgserver import PostgresServer
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
+from testapp import create_app
 
 #: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
 #: throwaway one; only the database ``idempotency_test`` on it is (re)created and used.
@@ -66,14 +73,6 @@ def db(database_url: str) -> Iterator[psycopg.Connection[TupleRow]]:
 
 # -- the app under test --------------------------------------------------------------------
 
-import threading  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-from flask import Flask  # noqa: E402
-from testapp import create_app  # noqa: E402
-
 
 @pytest.fixture
 def make_app(database_url: str) -> Iterator[Callable[..., Flask]]:
@@ -99,18 +98,6 @@ def app(make_app: Callable[..., Flask]) -> Flask:
 def key() -> str:
     """A key no other test uses."""
     return f"test-{uuid.uuid4()}"
-
-
-def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
-    """How many times a view ran for *key* (in *tenant*, or in any tenant)."""
-    query = "SELECT count(*) FROM executions WHERE key = %s"
-    params: list[str] = [key]
-    if tenant is not None:
-        query += " AND tenant = %s"
-        params.append(tenant)
-    row = db.execute(query, params).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.fixture
@@ -155,10 +142,6 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # -- real gunicorn -------------------------------------------------------------------------
 
-from pathlib import Path  # noqa: E402
-
-from gunicorn_server import GunicornServer  # noqa: E402
-
 
 @pytest.fixture
 def start_gunicorn(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
@@ -177,6 +160,6 @@ def start_gunicorn(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
     for server in servers:
         try:
             server.stop()
-        except Exception as exc:  # noqa: BLE001 - stop the others, then report
+        except Exception as exc:
             errors.append(exc)
     assert not errors, errors

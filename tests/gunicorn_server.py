@@ -23,15 +23,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pgserver import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 PROBLEM = "application/problem+json"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
@@ -165,7 +161,7 @@ def race(
         try:
             barrier.wait(30)
             results[i] = send(i, connections[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
         finally:
             connections[i].close()

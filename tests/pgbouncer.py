@@ -9,16 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from pgserver import free_port
 from psycopg.conninfo import conninfo_to_dict
 
 BINARY = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 RUN_AS = "pgtest"  # the unprivileged user tests/pgserver.py runs PostgreSQL as
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PgBouncer:
@@ -27,7 +22,7 @@ class PgBouncer:
     def __init__(self, workdir: Path, database_url: str) -> None:
         self.workdir = workdir
         self.target = conninfo_to_dict(database_url)
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property

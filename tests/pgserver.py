@@ -71,7 +71,8 @@ def find_bin_dir() -> Path:
     return max(candidates, key=version)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -189,7 +190,7 @@ class PostgresServer:
         #: postgresql.conf settings that override (or add to) the test settings, for example
         #: ``{"fsync": "on", "full_page_writes": "on"}`` for a durable server
         self.settings: dict[str, str | int] = dict(settings or {})
-        self.port = port if port is not None else _free_port()
+        self.port = port if port is not None else free_port()
         self.bin_dir = bin_dir if bin_dir is not None else find_bin_dir()
         self.log_path = self.datadir / _LOG_NAME
         self._uid: int | None = None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psycopg
 from flask import Flask
+from helpers import post
 from psycopg.rows import TupleRow
-from test_http import post
 
 DB = psycopg.Connection[TupleRow]
 

@@ -9,38 +9,14 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Flask
+from helpers import executions, post, run_together
 from psycopg.rows import TupleRow
-from test_http import post
 from werkzeug.test import TestResponse
 
 from flask_idempotency.keys import lock_id
 
 DB = psycopg.Connection[TupleRow]
-
-
-def run_together(count: int, request: Callable[[], TestResponse]) -> list[TestResponse]:
-    """Fire *count* requests from as many threads, released at once by a barrier."""
-    barrier = threading.Barrier(count)
-    results: list[TestResponse] = []
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            barrier.wait(10)
-            results.append(request())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
-    assert len(results) == count
-    return results
 
 
 def test_32_threads_on_one_key_run_the_view_once(

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from gunicorn_server import free_port
 from psycopg.rows import TupleRow
-from test_gunicorn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DB = psycopg.Connection[TupleRow]

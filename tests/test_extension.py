@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Blueprint, Flask
+from helpers import executions, post
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
-from test_http import post
 
 from flask_idempotency import ConfigError, Idempotency, current_idempotency, signals
 
@@ -209,4 +211,25 @@ def test_creating_the_schema_does_not_queue_behind_live_claims(
         with psycopg.connect(app.config["IDEMPOTENCY_DATABASE_URL"], autocommit=True) as conn:
             conn.execute("SET lock_timeout = '500ms'")
             # ...and looks first: no DDL, so no lock wait (would time out otherwise).
-            assert store.create_schema(conn) is False
+            assert store.schema.create(conn) is False
+
+
+def test_a_forked_child_never_closes_its_parents_pool(app: Flask, key: str) -> None:
+    """The pool's exit hook is inherited through fork(); run in a child, it must leave
+    the parent's pool (and the server connections it shares with it) alone."""
+    assert post(app.test_client(), "/payments", key).status_code == 201
+    pool = app.extensions["idempotency"].store.pool
+    before = pool.get_stats()["pool_size"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads, 3.12+
+        pid = os.fork()
+    if pid == 0:  # the child: exit as a process does, running the inherited hooks
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not pool.closed and pool.get_stats()["pool_size"] == before
+    for _ in range(before):  # every pooled connection still talks to the server
+        assert post(app.test_client(), "/payments", f"{key}-{_}").status_code == 201
+    assert post(app.test_client(), "/payments", key).headers["Idempotent-Replayed"] == "true"

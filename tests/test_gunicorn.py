@@ -11,7 +11,6 @@ from collections.abc import Callable
 import psycopg
 import pytest
 from gunicorn_server import ROOT, GunicornServer, db_sockets
-from gunicorn_server import free_port as free_port  # noqa: F401 - test_crash_matrix imports it
 from psycopg.rows import TupleRow
 
 DB = psycopg.Connection[TupleRow]

@@ -7,35 +7,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
-from conftest import executions
 from flask import Flask
-from flask.testing import FlaskClient
-from psycopg.rows import TupleRow
+from helpers import DB, executions, post, problem
 from werkzeug.test import TestResponse
-
-PROBLEM = "application/problem+json"
-DB = psycopg.Connection[TupleRow]
-
-
-def post(
-    client: FlaskClient, path: str, key: str | None, body: Any = None, **headers: str
-) -> TestResponse:
-    """POST *body* as JSON; ``X_Tenant="a"`` sends the header ``X-Tenant: a``."""
-    headers = {name.replace("_", "-"): value for name, value in headers.items()}
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
-
-
-def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
-    assert response.status_code == status, response.data
-    assert response.mimetype == PROBLEM
-    body: dict[str, Any] = response.get_json()
-    assert body["status"] == status
-    assert body["type"].endswith(":" + slug)
-    assert body["title"] and body["detail"]
-    return body
 
 
 def test_missing_key_is_400(app: Flask, db: DB) -> None:

@@ -10,10 +10,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Flask
+from helpers import executions, hold_first, lease_over, post, problem, wait_until
 from psycopg.rows import TupleRow
-from test_http import post, problem
 from werkzeug.test import TestResponse
 
 from flask_idempotency import signals
@@ -29,23 +28,6 @@ def key_row(db: DB, key: str, tenant: str = "") -> tuple[Any, ...]:
     ).fetchone()
     assert row is not None
     return tuple(row)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
-def lease_over(db: DB, key: str) -> Callable[[], bool]:
-    def check() -> bool:
-        row = db.execute(
-            "SELECT locked_until <= now() FROM idempotency_keys WHERE key = %s", (key,)
-        ).fetchone()
-        return bool(row and row[0])
-
-    return check
 
 
 @pytest.mark.parametrize("status", [429, 503])
@@ -135,25 +117,12 @@ def test_request_too_large_is_413(make_app: Callable[..., Flask], key: str, db: 
     ).fetchone() == (0,)
 
 
-def _hold_first(
-    app: Flask, key: str, path: str = "/payments"
-) -> tuple[threading.Thread, threading.Event, dict[str, TestResponse]]:
-    entered, proceed = app.extensions["test_gates"].add(key)
-    results: dict[str, TestResponse] = {}
-    thread = threading.Thread(
-        target=lambda: results.update(first=post(app.test_client(), path, key, X_Gate=key))
-    )
-    thread.start()
-    assert entered.wait(10)
-    return thread, proceed, results
-
-
 def test_abandoned_claim_is_taken_over_and_the_zombie_cannot_overwrite(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_LEASE=timedelta(milliseconds=300))
     taken_over: list[dict[str, Any]] = []
-    zombie, proceed, results = _hold_first(app, key)
+    zombie, proceed, results = hold_first(app, key)
     try:
         problem(post(app.test_client(), "/payments", key), 409, "request-in-progress")
         wait_until(lease_over(db, key))
@@ -183,7 +152,7 @@ def test_abandoned_claim_under_unknown_is_never_rerun(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_LEASE=0.3, IDEMPOTENCY_ON_ABANDONED="unknown")
-    zombie, proceed, results = _hold_first(app, key)
+    zombie, proceed, results = hold_first(app, key)
     try:
         wait_until(lease_over(db, key))
         problem(post(app.test_client(), "/payments", key), 409, "outcome-unknown")
@@ -201,7 +170,7 @@ def test_abandoned_claim_under_unknown_is_never_rerun(
 def test_waiting_twin_gets_the_replay_as_soon_as_the_first_finishes(
     app: Flask, key: str, db: DB
 ) -> None:
-    first, proceed, results = _hold_first(app, key, "/wait")
+    first, proceed, results = hold_first(app, key, "/wait")
     twin_result: dict[str, TestResponse] = {}
     twin = threading.Thread(
         target=lambda: twin_result.update(twin=post(app.test_client(), "/wait", key))
@@ -226,7 +195,7 @@ def test_waiting_twin_gets_409_when_the_wait_runs_out(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_WAIT=0.3)
-    first, proceed, _ = _hold_first(app, key)
+    first, proceed, _ = hold_first(app, key)
     try:
         started = time.monotonic()
         problem(post(app.test_client(), "/payments", key), 409, "request-in-progress")
@@ -240,7 +209,7 @@ def test_waiting_twins_do_not_starve_the_pool(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_POOL_MAX_SIZE=2, IDEMPOTENCY_POOL_TIMEOUT=2)
-    first, proceed, results = _hold_first(app, key, "/wait")
+    first, proceed, results = hold_first(app, key, "/wait")
     twins: list[TestResponse] = []
     threads = [
         threading.Thread(target=lambda: twins.append(post(app.test_client(), "/wait", key)))

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 from flask import Flask
+from helpers import post
 from prometheus_client import CollectorRegistry, generate_latest
-from test_http import post
 
 from flask_idempotency.metrics import PrometheusMetrics
 

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Flask
+from helpers import executions, hold_first, post, run_together
 from pgbouncer import PgBouncer
 from psycopg.rows import TupleRow
-from test_concurrency import run_together
-from test_http import post
 
 DB = psycopg.Connection[TupleRow]
 
@@ -64,9 +62,8 @@ def test_through_pgbouncer_many_keys(bounced_app: Flask, db: DB) -> None:
 
 
 def test_through_pgbouncer_waiting_twin_is_woken(bounced_app: Flask, key: str, db: DB) -> None:
-    from test_lifecycle import _hold_first
 
-    first, proceed, results = _hold_first(bounced_app, key, "/wait")
+    first, proceed, results = hold_first(bounced_app, key, "/wait")
     twins: list[object] = []
     import threading
 

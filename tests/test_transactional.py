@@ -8,12 +8,12 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Flask
+from helpers import executions, lease_over, post, problem, wait_until
 from psycopg.rows import TupleRow
-from test_http import post, problem
-from test_lifecycle import lease_over, wait_until
 from werkzeug.test import TestResponse
+
+from flask_idempotency import signals
 
 DB = psycopg.Connection[TupleRow]
 
@@ -53,6 +53,40 @@ def test_failure_commits_nothing_and_a_retry_runs_afresh(
     retry = post(client, "/ledger", key, {"amount": 5})
     assert retry.status_code == 201 and "Idempotent-Replayed" not in retry.headers
     assert retry.get_json()["attempt"] == 1
+    assert ledger_rows(db, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "slug"),
+    [("429", 429, None), ("503", 503, None), ("stream", 500, "response-not-storable")],
+)
+def test_endings_that_store_nothing_roll_the_view_back(
+    app: Flask, key: str, db: DB, failure: str, status: int, slug: str | None
+) -> None:
+    released: list[dict[str, object]] = []
+    with signals.released.connected_to(lambda sender, **kw: released.append(kw), app):
+        answer = post(app.test_client(), "/ledger", key, {"amount": 5}, X_Fail=failure)
+    if slug is None:
+        assert answer.status_code == status
+    else:
+        assert "nothing was committed" in problem(answer, status, slug)["detail"]
+    assert ledger_rows(db, key) == 0 and key_rows(db, key) == 0
+    assert [r["status"] for r in released] == ["rolled_back"]
+    assert post(app.test_client(), "/ledger", key, {"amount": 5}).status_code == 201
+
+
+def test_a_failed_commit_answers_503_and_nothing_is_done(app: Flask, key: str, db: DB) -> None:
+    failures: list[dict[str, object]] = []
+    with signals.store_unavailable.connected_to(lambda sender, **kw: failures.append(kw), app):
+        answer = post(app.test_client(), "/ledger", key, {"amount": 5}, X_Fail="at-commit")
+    body = problem(answer, 503, "store-unavailable")
+    assert "nothing was done" in body["detail"] and answer.headers["Retry-After"] == "1"
+    assert len(failures) == 1 and failures[0]["key"] == key
+    # The view's writes, its constraint's rows and the key all rolled back together.
+    assert ledger_rows(db, key) == 0 and key_rows(db, key) == 0
+    assert count(db, "SELECT count(*) FROM checked_at_commit WHERE key = %s", key) == 0
+    retry = post(app.test_client(), "/ledger", key, {"amount": 5})
+    assert retry.status_code == 201 and retry.get_json()["attempt"] == 1
     assert ledger_rows(db, key) == 1
 
 

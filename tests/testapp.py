@@ -27,6 +27,9 @@ CREATE TABLE IF NOT EXISTS ledger (tenant text, key text, amount integer);
 CREATE TABLE IF NOT EXISTS orders (key text PRIMARY KEY, state text NOT NULL);
 CREATE TABLE IF NOT EXISTS charges (charge_key text PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS charge_calls (charge_key text NOT NULL);
+CREATE TABLE IF NOT EXISTS checked_at_commit (
+    key text, CONSTRAINT once UNIQUE (key) DEFERRABLE INITIALLY DEFERRED
+);
 """
 
 GATE_TIMEOUT = 20.0
@@ -189,8 +192,18 @@ def create_app(database_url: str, executions_url: str | None = None, **config: A
         gates.pass_through(request.headers.get("X-Gate"))
         if request.headers.get("X-Fail") == "raise":
             raise RuntimeError("failed after writing")
-        if request.headers.get("X-Fail") == "release":
+        fail = request.headers.get("X-Fail")
+        if fail == "release":
             current_idempotency.release()
+        if fail == "at-commit":  # a deferred constraint: only the COMMIT fails
+            for _ in range(2):
+                conn.execute(
+                    "INSERT INTO checked_at_commit (key) VALUES (%s)", (current_idempotency.key,)
+                )
+        if fail == "stream":
+            return Response(stream_with_context(iter(["a", "b"])))  # type: ignore[return-value]
+        if fail and fail.isdigit():
+            return {"status": fail}, int(fail)
         return {"id": str(uuid.uuid4()), "attempt": current_idempotency.attempt}, 201
 
     @app.post("/phased")

@@ -1,0 +1,63 @@
+"""The table and its indexes: what they are called, whether they exist, creating them.
+
+Upgrades of a table made by an earlier release belong here too, so that
+``flask idempotency-init`` and the first request of a process run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .keys import lock_id
+from .queries import SCHEMA, SCHEMA_PRESENT
+
+logger = logging.getLogger("flask_idempotency")
+
+
+class Schema:
+    """The schema objects of the table named *table* (``name`` or ``schema.name``)."""
+
+    def __init__(self, table: str) -> None:
+        self.name = table
+        parts = table.split(".")
+        #: the table, quoted as needed
+        self.table = sql.Identifier(*parts)
+        schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
+        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
+        self._qualified = [table] + [schema + i for i in self._index_names]
+        #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
+        self.channel = f"{name}_finished"[:63]
+
+    def create(self, conn: psycopg.Connection[Any]) -> bool:
+        """Create the table and its indexes if any is missing; True if DDL ran.
+
+        Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
+        when the index exists, which would queue behind live claims.
+        """
+        if self.present(conn):
+            return False
+        with conn.transaction():
+            # Workers starting together must not race on CREATE TABLE IF NOT EXISTS.
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.name)])
+            if self.present(conn):
+                return False
+            conn.execute(
+                sql.SQL(SCHEMA).format(
+                    table=self.table,
+                    expires_index=sql.Identifier(self._index_names[0]),
+                    lease_index=sql.Identifier(self._index_names[1]),
+                    unknown_index=sql.Identifier(self._index_names[2]),
+                ),
+                prepare=False,
+            )
+        logger.info("created table %s and its indexes", self.name)
+        return True
+
+    def present(self, conn: psycopg.Connection[Any]) -> bool:
+        """True if the table and all its indexes exist."""
+        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}).fetchone()
+        return row is not None and row[0] == len(self._qualified)
