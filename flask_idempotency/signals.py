@@ -42,9 +42,11 @@ mismatch = _signals.signal("idempotency-mismatch")
 #: ``attempt``, ``status``, ``stored`` (False when a newer attempt owned the key).
 stored = _signals.signal("idempotency-stored")
 
-#: The attempt ended without a stored response: the key is ``retryable`` (or
-#: ``unknown``, per ``IDEMPOTENCY_ON_EXCEPTION``). Kwargs: ``tenant``, ``key``,
-#: ``attempt``, ``status`` (the key's new status), ``reason``.
+#: The attempt ended without a stored response. Kwargs: ``tenant``, ``key``,
+#: ``attempt``, ``status``, ``reason``. ``status`` is the key's new status
+#: (``"retryable"``, or ``"unknown"`` per ``IDEMPOTENCY_ON_EXCEPTION``), or
+#: ``"rolled_back"`` for a ``transactional=True`` view whose transaction rolled back,
+#: so that the key is as if never used.
 released = _signals.signal("idempotency-released")
 
 #: The store could not be reached. Kwargs: ``tenant``, ``key``, ``error``,
