@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import signals
 from .claim import ClaimedKey, current_idempotency
+from .consumer import StoredFailure
 from .errors import (
     AttemptSuperseded,
     ConfigError,
@@ -20,6 +21,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .extension import Idempotency
+from .jobs import Job
 from .model import KeyStatus
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "Idempotency",
     "IdempotencyError",
     "InvalidKey",
+    "Job",
     "KeyStatus",
     "MissingKey",
     "OutcomeUnknown",
@@ -39,6 +42,7 @@ __all__ = [
     "ResponseNotStorable",
     "StoreError",
     "StoreUnavailable",
+    "StoredFailure",
     "current_idempotency",
     "signals",
 ]

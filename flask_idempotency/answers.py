@@ -76,7 +76,7 @@ def answer(
     runs, the replayed response, or the decision's problem, raised."""
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     who: dict[str, Any] = {"tenant": tenant, "key": key, "claim_seconds": claim_seconds}
-    for signal, kwargs in _signals(outcome, waited):
+    for signal, kwargs in decision_signals(outcome, waited):
         signal.send(app, **who, **kwargs)
     row = ANSWERS[outcome.decision]
     logger.log(
@@ -95,7 +95,9 @@ def answer(
     return None
 
 
-def _signals(outcome: ClaimOutcome, waited: float) -> list[tuple[NamedSignal, dict[str, Any]]]:
+def decision_signals(
+    outcome: ClaimOutcome, waited: float
+) -> list[tuple[NamedSignal, dict[str, Any]]]:
     """The signals a decision sends, with their own kwargs (see :mod:`.signals`)."""
     attempt = {"attempt": outcome.attempt}
     decision = outcome.decision

@@ -13,6 +13,7 @@ from flask import g
 from werkzeug.local import LocalProxy
 
 from .config import RouteSettings
+from .jobs import StagedJob, staged_job
 from .model import ClaimOutcome
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class ClaimedKey:
         #: the connection held for a ``transactional=True`` view, inside the claim's
         #: open transaction
         self.pinned = pinned
+        #: jobs staged outside any phase: they commit with the stored response
+        self.jobs: list[StagedJob] = []
+        #: jobs staged in the running phase: they commit with it
+        self._phase_jobs: list[StagedJob] | None = None
 
     @property
     def attempt(self) -> int:
@@ -94,11 +99,34 @@ class ClaimedKey:
                 "a transactional view is one transaction already; phases are for views"
                 " without transactional=True"
             )
-        with self.store.phase(
-            self.tenant, self.key, self.outcome, name, lease=self.settings.lease
-        ) as conn:
-            yield conn
+        if self._phase_jobs is not None:
+            raise RuntimeError("phases do not nest: end the running phase first")
+        jobs: list[StagedJob] = []
+        self._phase_jobs = jobs
+        try:
+            with self.store.phase(
+                self.tenant, self.key, self.outcome, name, lease=self.settings.lease, jobs=jobs
+            ) as conn:
+                yield conn
+        finally:
+            self._phase_jobs = None
         self.outcome = dataclasses.replace(self.outcome, recovery_point=name)
+
+    def stage(self, name: str, payload: Any = None) -> str:
+        """Record a job that becomes real exactly when the state it belongs to commits:
+        with the stored response (or a transactional view's transaction), or, inside
+        ``phase(...)``, with that phase. An attempt that rolls back, is released, raises
+        or is fenced stages nothing. ``flask idempotency-dispatch`` hands committed jobs
+        to the registered dispatcher.
+
+        :param name: the job's name (a Celery task name, say): 1-255 printable characters.
+        :param payload: any JSON-serialisable value.
+        :returns: the job's id, stable across hand-overs (the Celery task id).
+        :raises TypeError: *payload* is not JSON-serialisable (NaN included), at once.
+        """
+        job = staged_job(name, payload)
+        (self._phase_jobs if self._phase_jobs is not None else self.jobs).append(job)
+        return job.id
 
     def release(self) -> None:
         """End this attempt as retryable: nothing happened, a retry may run the view

@@ -14,7 +14,9 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
+from .dispatch import Dispatcher
 from .errors import StoreError
+from .loop import run_every
 from .maintenance import Maintenance
 from .model import KeyStatus, StoredResponse
 from .state import get_state
@@ -110,9 +112,29 @@ def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
 @click.option(
     "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many."
 )
+@click.option(
+    "--dead-jobs",
+    is_flag=True,
+    help="List the staged jobs whose hand-over failed too often (the dead jobs) instead.",
+)
+@click.option(
+    "--failing-jobs",
+    is_flag=True,
+    help="List the staged jobs whose last hand-over failed (or whose name no dispatcher knows).",
+)
 @with_appcontext
-def list_command(status: str | None, tenant: str | None, older_than: float, limit: int) -> None:
+def list_command(
+    status: str | None,
+    tenant: str | None,
+    older_than: float,
+    limit: int,
+    dead_jobs: bool,
+    failing_jobs: bool,
+) -> None:
     maintenance = _maintenance()
+    if dead_jobs or failing_jobs:
+        _list_jobs(maintenance, dead=dead_jobs, limit=limit)
+        return
     try:
         rows = maintenance.list_keys(
             status=KeyStatus(status) if status else None,
@@ -130,6 +152,84 @@ def list_command(status: str | None, tenant: str | None, older_than: float, limi
             f" {row['attempt']:>7} {age:>10}  {row['recovery_point']}"
         )
     click.echo(f"{len(rows)} key(s)")
+
+
+def _list_jobs(maintenance: Maintenance, *, dead: bool, limit: int) -> None:
+    try:
+        rows = maintenance.list_jobs(dead=dead, limit=limit)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{'JOB':<36} {'NAME':<24} {'TENANT':<16} {'KEY':<32} {'TRIES':>5}  LAST ERROR")
+    for row in rows:
+        click.echo(
+            f"{row['id']:<36} {row['name']:<24} {row['tenant'] or '-':<16} {row['key']:<32}"
+            f" {row['attempts']:>5}  {_first_line(row['last_error'])}"
+        )
+    click.echo(f"{len(rows)} {'dead' if dead else 'failing'} job(s)")
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").partition("\n")[0][:120]
+
+
+@click.command(
+    "idempotency-dispatch",
+    help="Hand committed staged jobs to the registered dispatcher, in batches safe on every"
+    " host at once. A job is forgotten only after the dispatcher returned.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=10_000),
+    default=100,
+    show_default=True,
+    help="Jobs per batch (one transaction).",
+)
+@click.option(
+    "--loop",
+    "interval",
+    type=click.FloatRange(min=0.01, max=86_400),
+    help="Run a batch every SECONDS until SIGTERM, instead of once.",
+)
+@with_appcontext
+def dispatch_command(limit: int, interval: float | None) -> None:
+    state = get_state()
+    fn = state.extension.dispatch_job
+    if fn is None:
+        raise click.ClickException(
+            "no dispatcher is registered: decorate a function with @idempotency.dispatcher"
+            " (or register flask_idempotency.celery.CeleryDispatcher)"
+        )
+    settings = state.settings
+    dispatcher = Dispatcher(
+        state.store,
+        fn,
+        backoff=settings.reconcile_backoff,
+        max_attempts=settings.reconcile_max_attempts,
+    )
+
+    def batch() -> None:
+        while True:  # once: every due job; with --loop: one batch a tick
+            try:
+                report = dispatcher.run_batch(limit)
+            except StoreError as exc:
+                raise click.ClickException(str(exc)) from exc
+            click.echo(
+                f"dispatched {report.dispatched} job(s); {report.failed} failed,"
+                f" {report.unknown} with a name no dispatcher knows"
+            )
+            for undispatched in report.undispatched:
+                job = undispatched.job
+                click.echo(f"  kept {job.id} {job.name!r} key={job.key!r}: {undispatched.reason}")
+            current_app.logger.info(
+                "idempotency-dispatch dispatched=%d failed=%d unknown=%d",
+                report.dispatched,
+                report.failed,
+                report.unknown,
+            )
+            if interval is not None or report.dispatched + len(report.undispatched) < limit:
+                return
+
+    run_every(interval, batch)
 
 
 @click.command("idempotency-show", help="Show everything stored for one key.")
@@ -212,4 +312,11 @@ def resolve_command(
 
 
 #: every command ``init_app`` registers on ``app.cli``
-COMMANDS = (init_command, clean_command, list_command, show_command, resolve_command)
+COMMANDS = (
+    init_command,
+    clean_command,
+    list_command,
+    show_command,
+    resolve_command,
+    dispatch_command,
+)

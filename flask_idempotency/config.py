@@ -203,7 +203,14 @@ class Settings:
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
     table: str = option("idempotency_keys", _str)
+    #: where staged jobs wait for a dispatcher (SPEC §10)
+    jobs_table: str = option("idempotency_jobs", _str)
     create_table: bool = option(True, _bool)
+    #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
+    #: further one twice as long, at most an hour
+    reconcile_backoff: timedelta = option(5, _duration)
+    #: failed hand-overs (or undecided reconciliations) before a job is dead (a key exhausted)
+    reconcile_max_attempts: int = option(10, _int_at_least(1))
     #: the app-wide defaults of the per-route settings
     route: RouteSettings = dataclasses.field(default_factory=RouteSettings)
 
@@ -265,8 +272,8 @@ def _check_together(settings: Settings, pool_given: bool) -> None:
             f"{config_key('pool_max_size')} ({settings.pool_max_size}) is below"
             f" {config_key('pool_min_size')} ({settings.pool_min_size})."
         )
-    parts = settings.table.split(".")
-    if not 1 <= len(parts) <= 2 or "" in parts:
-        raise ConfigError(
-            f"{config_key('table')} must be 'name' or 'schema.name', got {settings.table!r}."
-        )
+    for name in ("table", "jobs_table"):
+        value = getattr(settings, name)
+        parts = value.split(".")
+        if not 1 <= len(parts) <= 2 or "" in parts:
+            raise ConfigError(f"{config_key(name)} must be 'name' or 'schema.name', got {value!r}.")

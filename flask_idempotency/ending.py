@@ -20,6 +20,7 @@ from werkzeug.exceptions import InternalServerError
 from . import signals
 from .claim import ClaimedKey, peek_claim, pop_claim
 from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
+from .jobs import StagedJob
 from .model import KeyStatus, StoredResponse
 from .postgres import PinnedConnection
 from .state import get_state
@@ -39,6 +40,8 @@ class Ending:
     stored: StoredResponse | None = None
     #: the detail of the ``ResponseNotStorable`` problem the client gets instead
     refusal: str | None = None
+    #: the jobs staged outside phases, committed with the stored response
+    jobs: tuple[StagedJob, ...] = ()
 
 
 # -- the hooks -------------------------------------------------------------------------
@@ -54,7 +57,15 @@ def record_exception(sender: Flask, exception: BaseException, **_: Any) -> None:
 def after_request(response: Response) -> Response:
     """End the request's claim with the response the client gets."""
     claim = pop_claim()
-    if claim is None or not claim.protected:
+    if claim is None:
+        return response
+    if not claim.protected:
+        if claim.jobs:
+            logger.error(
+                "decision=fail_open %s: the store is down, %d staged job(s) were not recorded",
+                _fields(claim),
+                len(claim.jobs),
+            )
         return response
     return finish(claim, response)
 
@@ -129,7 +140,10 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
     headers = [
         (n, v) for n, v in response.headers.items() if n.lower() not in settings.excluded_headers
     ]
-    return Ending(KeyStatus.COMPLETED, stored=StoredResponse(response.status_code, headers, body))
+    # A view that raised stages nothing, even when its 500 is stored (SPEC §10).
+    jobs = tuple(claim.jobs) if exception is None else ()
+    stored = StoredResponse(response.status_code, headers, body)
+    return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
 
 
 def _truly_streamed(response: Response) -> bool:
@@ -161,6 +175,7 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
             ttl=settings.ttl,
             response=ending.stored,
             notify=settings.wait > 0,
+            jobs=ending.jobs,
         )
     except StoreError as exc:
         _report_store_failure(claim, exc)
@@ -180,7 +195,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
     assert pinned is not None
     try:
         if ending.stored is not None:
-            _commit(claim, pinned, ending.stored)
+            _commit(claim, pinned, ending)
         else:
             claim.store.unpin(pinned, commit=False)
             if claim.settings.wait > 0:  # twins waiting on this key may claim it now
@@ -192,7 +207,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
     return ending.stored is not None
 
 
-def _commit(claim: ClaimedKey, pinned: PinnedConnection, stored: StoredResponse) -> None:
+def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
     """Store the response in the pinned transaction and commit it with the view's writes."""
     try:
         claim.store.finish(
@@ -201,8 +216,9 @@ def _commit(claim: ClaimedKey, pinned: PinnedConnection, stored: StoredResponse)
             claim.outcome,
             KeyStatus.COMPLETED,
             ttl=claim.settings.ttl,
-            response=stored,
+            response=ending.stored,
             notify=claim.settings.wait > 0,
+            jobs=ending.jobs,
             pinned=pinned,
         )
     except StoreError:

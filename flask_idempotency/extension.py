@@ -16,6 +16,8 @@ from psycopg_pool import ConnectionPool
 
 from .cli import COMMANDS
 from .config import DEFAULTS, convert_option, load_settings
+from .consumer import run_once
+from .dispatch import DispatchFunction
 from .ending import after_request, record_exception, teardown_request
 from .handler import begin
 from .postgres import PostgresStore
@@ -23,6 +25,8 @@ from .state import EXTENSION_NAME, IdempotencyState, get_state
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
+D = TypeVar("D", bound="DispatchFunction")
 
 
 class Idempotency:
@@ -35,6 +39,8 @@ class Idempotency:
 
     def __init__(self, app: Flask | None = None, *, pool: ConnectionPool[Any] | None = None):
         self._tenant_loader: Callable[[], str] | None = None
+        #: hands committed staged jobs to a queue (see :meth:`dispatcher`)
+        self.dispatch_job: DispatchFunction | None = None
         if app is not None:
             self.init_app(app, pool=pool)
 
@@ -114,3 +120,32 @@ class Idempotency:
             return wrapper
 
         return decorator(view) if view is not None else decorator
+
+    def dispatcher(self, fn: D) -> D:
+        """Register ``fn(job)``, which hands a committed staged job to a real queue;
+        ``flask idempotency-dispatch`` runs it. A job is forgotten only after *fn*
+        returned; if *fn* raises, the job is retried with back-off and, after
+        ``IDEMPOTENCY_RECONCILE_MAX_ATTEMPTS`` failures, listed as dead. If *fn* has a
+        ``knows(name)`` method, jobs whose name it does not know are kept and reported.
+        :class:`flask_idempotency.celery.CeleryDispatcher` is one for Celery.
+        """
+        self.dispatch_job = fn
+        return fn
+
+    def run_once(
+        self, key: str, fn: Callable[..., T], /, *args: Any, tenant: str = "", **kwargs: Any
+    ) -> T:
+        """Run ``fn(*args, **kwargs)`` once per *key* (a message id), for queue consumers.
+
+        The first delivery runs *fn* and stores its JSON-serialisable result; a
+        redelivery afterwards returns the stored result without running *fn*. Inside
+        *fn*, ``current_idempotency`` is the claimed key (``attempt``, ``phase()``,
+        ``stage()``, ``downstream_key()``). Needs an app context, not a request.
+
+        :raises RequestInProgress: another delivery is running *fn* right now: leave
+            the message to be redelivered.
+        :raises StoredFailure: the first run raised and ``ON_EXCEPTION`` is ``"store"``.
+        :raises OutcomeUnknown: the key is ``unknown``.
+        :raises StoreError: the store failed; nothing ran.
+        """
+        return run_once(get_state(), key, fn, args, kwargs, tenant)

@@ -18,6 +18,7 @@ from .queries import (
     COUNT_EXPIRED,
     COUNT_STUCK,
     DELETE_EXPIRED,
+    LIST_JOBS,
     LIST_KEYS,
     MARK_ABANDONED,
     RESOLVE_KEY,
@@ -94,6 +95,14 @@ class Maintenance:
             **response_params(response),
         }
         return self._rowcount(RESOLVE_KEY, params) == 1
+
+    def list_jobs(self, *, dead: bool, limit: int) -> list[dict[str, Any]]:
+        """Dead staged jobs (``dead=True``), or the live ones whose last hand-over failed."""
+        with self.store.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(
+                self.store.render(LIST_JOBS), {"dead": dead, "limit": limit}
+            ).fetchall()
 
     def count_stuck(self) -> tuple[int, int]:
         """Claims whose lease ran out, and keys in ``unknown``."""

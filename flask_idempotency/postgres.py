@@ -1,17 +1,10 @@
 """PostgresStore: the pool, and running the request path's statements of :mod:`.queries`.
 
-Each request costs at most two statements, each its own transaction:
-
-* the *claim* reads the key's row, and when the request must run the view takes a
-  transaction-scoped advisory lock and inserts or takes over the ``processing`` row,
-  all in one statement, so one round trip; the lock ends with that statement's
-  transaction, so no connection can go back to the pool holding it, and the claim
-  works through PgBouncer in transaction pooling mode;
-* the *finish* stores the response (or marks the key retryable or unknown) in one
-  UPDATE fenced by the attempt, so a zombie attempt cannot overwrite a newer one.
-
-A replay is the claim alone, and writes nothing. This module only runs SQL: what a
-request does with the answers is :mod:`.handler`'s and :mod:`.ending`'s business.
+A request costs at most two statements, each its own transaction: the *claim* (read
+the row; when the view must run, take a transaction-scoped advisory lock and insert or
+take over the ``processing`` row: one round trip, no lock outlives it, PgBouncer-safe)
+and the *finish* (one UPDATE fenced by the attempt). A replay is the claim alone.
+What a request does with the answers is :mod:`.handler`'s and :mod:`.ending`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -34,9 +27,10 @@ from psycopg_pool import ConnectionPool
 
 from .config import RouteSettings, Settings
 from .errors import AttemptSuperseded, StoreError
+from .jobs import StagedJob, stage_params
 from .keys import lock_id
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
-from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH
+from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 from .schema import Schema
 
 logger = logging.getLogger("flask_idempotency")
@@ -77,7 +71,7 @@ class PostgresStore:
         self._schema_ready = False
         self._lock = threading.Lock()
         #: the table's schema objects (create, check, upgrade)
-        self.schema = Schema(settings.table)
+        self.schema = Schema(settings.table, settings.jobs_table)
         self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = self.schema.channel
@@ -88,14 +82,25 @@ class PostgresStore:
         )
         self._claim = self.render(CLAIM)
         commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
-        self._finish = self.render(FINISH, notify=sql.SQL("1"), commit_mode=commit_mode)
-        self._finish_notify = self.render(FINISH, notify=notify, commit_mode=commit_mode)
-        self._advance = self.render(ADVANCE)
+        #: the finish, by (notify waiting twins?, insert staged jobs?)
+        self._finishes = {
+            (wake, staging): self.render(
+                _staging(FINISH) if staging else FINISH,
+                notify=notify if wake else sql.SQL("1"),
+                commit_mode=commit_mode,
+            )
+            for wake in (False, True)
+            for staging in (False, True)
+        }
+        self._advances = {
+            staging: self.render(_staging(ADVANCE) if staging else ADVANCE)
+            for staging in (False, True)
+        }
         self._notify = sql.SQL("SELECT {}").format(notify).as_string()
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
-        return sql.SQL(query).format(table=self.table, **parts).as_string()
+        return sql.SQL(query).format(table=self.table, jobs=self.schema.jobs, **parts).as_string()
 
     # -- connections ---------------------------------------------------------------
 
@@ -231,11 +236,13 @@ class PostgresStore:
         ttl: timedelta,
         response: StoredResponse | None = None,
         notify: bool = False,
+        jobs: Sequence[StagedJob] = (),
         pinned: PinnedConnection | None = None,
     ) -> bool:
         """End the attempt *outcome* with *status*; False if a newer attempt owns the key.
 
-        With *pinned*, the UPDATE joins that connection's transaction.
+        *jobs* are inserted in the same statement, only if the key changed. With
+        *pinned*, the UPDATE joins that connection's transaction.
         """
         params = {
             "tenant": tenant,
@@ -247,8 +254,9 @@ class PostgresStore:
             **response_params(response),
             "lock_id": lock_id(tenant, key),
         }
-        query = self._finish_notify if notify else self._finish
-        rowcount, _ = self._run(query, params, pinned)
+        if jobs:
+            params.update(stage_params(jobs))
+        rowcount, _ = self._run(self._finishes[notify, bool(jobs)], params, pinned)
         return rowcount == 1
 
     def notify(self, tenant: str, key: str) -> None:
@@ -302,10 +310,18 @@ class PostgresStore:
 
     @contextmanager
     def phase(
-        self, tenant: str, key: str, outcome: ClaimOutcome, point: str, *, lease: timedelta
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        point: str,
+        *,
+        lease: timedelta,
+        jobs: Sequence[StagedJob] = (),
     ) -> Iterator[psycopg.Connection[Any]]:
         """One transaction on a pooled connection: the block's writes commit together
-        with ``recovery_point = point``, or not at all.
+        with ``recovery_point = point`` and the *jobs* staged in the block (read when
+        the block ends), or not at all.
 
         :raises AttemptSuperseded: another attempt owns the key now; nothing commits.
         """
@@ -321,13 +337,21 @@ class PostgresStore:
                     "point": point,
                     "lease": lease,
                 }
-                if conn.execute(self._advance, params).rowcount != 1:
+                if jobs:
+                    params.update(stage_params(jobs))
+                if conn.execute(self._advances[bool(jobs)], params).rowcount != 1:
                     raise AttemptSuperseded(
                         f"attempt {outcome.attempt} no longer owns key {key!r} (its lease ran"
                         " out and another attempt took over); the phase was rolled back"
                     )
         finally:
             self.pool.putconn(conn)
+
+
+def _staging(update: str) -> str:
+    """*update* (a fenced UPDATE) as one statement that also inserts the staged jobs."""
+    returning = "" if "RETURNING" in update else "RETURNING 1"
+    return f"WITH ended AS ({update} {returning})" + STAGE_JOBS
 
 
 def response_params(response: StoredResponse | None) -> dict[str, Any]:

@@ -197,3 +197,72 @@ COUNT_ABANDONED = """
 SELECT count(*) FROM {table}
 WHERE status = 'processing' AND locked_until <= now() - %(margin)s
 """
+
+# -- staged jobs (the outbox, SPEC §10) ---------------------------------------------------
+
+# The payload is a JSON document kept as text: jsonb refuses \u0000 and lone surrogates,
+# which json.dumps writes as escapes that text keeps faithfully.
+JOBS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {jobs} (
+    id uuid PRIMARY KEY,
+    tenant text NOT NULL,
+    key text NOT NULL,
+    name text NOT NULL,
+    payload text NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    due_at timestamptz NOT NULL DEFAULT now(),
+    dead boolean NOT NULL DEFAULT false,
+    last_error text,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS {jobs_due_index} ON {jobs} (due_at) WHERE NOT dead;
+"""
+
+# Appended to a fenced UPDATE named ``ended`` (the finish, or a phase's advance): the
+# jobs are inserted only if that UPDATE changed the key, in the same statement, so a
+# fenced or rolled-back attempt stages nothing and staging adds no round trip.
+STAGE_JOBS = """
+, staged AS (
+    INSERT INTO {jobs} (id, tenant, key, name, payload)
+    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload
+    FROM unnest(%(job_ids)s::uuid[], %(job_names)s::text[], %(job_payloads)s::text[])
+         AS job (id, name, payload)
+    WHERE EXISTS (SELECT FROM ended)
+)
+SELECT * FROM ended
+"""
+
+# One batch for a dispatcher: held by its row locks for as long as its transaction
+# lives, so a dispatcher that dies hands its batch back at once.
+DUE_JOBS = """
+SELECT id::text, name, payload, tenant, key, attempts FROM {jobs}
+WHERE NOT dead AND due_at <= now()
+ORDER BY due_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+DELETE_JOBS = "DELETE FROM {jobs} WHERE id = ANY(%(ids)s::uuid[])"
+
+# A failed hand-over: the n-th failure is retried after backoff × 2^(n−1), capped; a
+# job whose dispatcher failed max_attempts times is dead; a job whose name no
+# dispatcher knows backs off the same way but is never dead (never dropped).
+FAIL_JOBS = """
+UPDATE {jobs} AS j
+SET attempts = j.attempts + 1,
+    last_error = failed.error,
+    due_at = now() + least(%(backoff)s * 2 ^ least(j.attempts, 30), %(cap)s),
+    dead = failed.countable AND j.attempts + 1 >= %(max_attempts)s
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
+     AS failed (id, error, countable)
+WHERE j.id = failed.id
+"""
+
+LIST_JOBS = """
+SELECT id::text, tenant, key, name, attempts, dead, due_at, last_error,
+       now() - created_at AS age
+FROM {jobs}
+WHERE dead = %(dead)s OR (NOT %(dead)s AND last_error IS NOT NULL)
+ORDER BY created_at
+LIMIT %(limit)s
+"""

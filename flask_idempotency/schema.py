@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from .keys import lock_id
-from .queries import SCHEMA, SCHEMA_PRESENT
+from .queries import JOBS_SCHEMA, SCHEMA, SCHEMA_PRESENT
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -21,14 +21,23 @@ logger = logging.getLogger("flask_idempotency")
 class Schema:
     """The schema objects of the table named *table* (``name`` or ``schema.name``)."""
 
-    def __init__(self, table: str) -> None:
+    def __init__(self, table: str, jobs_table: str = "idempotency_jobs") -> None:
         self.name = table
         parts = table.split(".")
         #: the table, quoted as needed
         self.table = sql.Identifier(*parts)
         schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
         self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
-        self._qualified = [table] + [schema + i for i in self._index_names]
+        jobs_parts = jobs_table.split(".")
+        #: the staged jobs' table (SPEC §10), quoted as needed
+        self.jobs = sql.Identifier(*jobs_parts)
+        jobs_schema = jobs_parts[0] + "." if len(jobs_parts) == 2 else ""
+        self._jobs_index = f"{jobs_parts[-1]}_due_idx"
+        self._qualified = (
+            [table]
+            + [schema + i for i in self._index_names]
+            + [jobs_table, jobs_schema + self._jobs_index]
+        )
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
 
@@ -51,6 +60,12 @@ class Schema:
                     expires_index=sql.Identifier(self._index_names[0]),
                     lease_index=sql.Identifier(self._index_names[1]),
                     unknown_index=sql.Identifier(self._index_names[2]),
+                ),
+                prepare=False,
+            )
+            conn.execute(
+                sql.SQL(JOBS_SCHEMA).format(
+                    jobs=self.jobs, jobs_due_index=sql.Identifier(self._jobs_index)
                 ),
                 prepare=False,
             )

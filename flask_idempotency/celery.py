@@ -1,0 +1,49 @@
+"""Celery for staged jobs: ``pip install flask-idempotency[celery]``.
+
+::
+
+    from flask_idempotency.celery import CeleryDispatcher
+    idempotency.dispatcher(CeleryDispatcher(celery_app))
+
+``flask idempotency-dispatch`` then sends each committed job as
+``celery_app.send_task(job.name, args=[job.payload], task_id=job.id)``. The task id is
+the job's id, the same on every hand-over, so a consumer that calls
+``idempotency.run_once(self.request.id, ...)`` applies its effect once even when a
+crash made the dispatcher send the job twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from celery import Celery
+
+from .jobs import Job
+
+
+class CeleryDispatcher:
+    """A dispatcher function that sends jobs to Celery.
+
+    :param celery_app: the Celery app whose broker receives the jobs.
+    :param names: the job names this dispatcher sends. By default, the tasks
+        registered on *celery_app* (import your tasks module in the process that
+        dispatches): a job with another name is kept and reported rather than sent to
+        workers that would drop it as an unregistered task.
+    :param options: more keyword arguments for ``send_task`` (``queue=``, ``priority=``…).
+    """
+
+    def __init__(
+        self, celery_app: Celery, *, names: Collection[str] | None = None, **options: Any
+    ) -> None:
+        self.celery = celery_app
+        self.names = names
+        self.options = options
+
+    def knows(self, name: str) -> bool:
+        """True if jobs named *name* can be sent."""
+        return name in (self.names if self.names is not None else self.celery.tasks)
+
+    def __call__(self, job: Job) -> None:
+        """Send *job*; returns once the broker accepted it (raises otherwise)."""
+        self.celery.send_task(job.name, args=[job.payload], task_id=job.id, **self.options)

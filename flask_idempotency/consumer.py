@@ -1,0 +1,202 @@
+"""``idempotency.run_once(key, fn, ...)``: the same state machine for queue consumers.
+
+The message id is the key. The first delivery runs ``fn`` and stores its JSON result;
+a redelivery afterwards gets the stored result without running ``fn``; a delivery
+while another runs raises :class:`~.errors.RequestInProgress`. An exception from
+``fn`` always reaches the caller; what the key becomes follows ``ON_EXCEPTION``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from flask import current_app
+
+from .answers import decision_signals
+from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
+from .config import RouteSettings
+from .errors import (
+    FingerprintMismatch,
+    IdempotencyError,
+    InvalidKey,
+    OutcomeUnknown,
+    RequestInProgress,
+    StoreError,
+)
+from .keys import parse_key
+from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
+from .state import IdempotencyState
+
+logger = logging.getLogger("flask_idempotency")
+
+T = TypeVar("T")
+
+_JSON = [("Content-Type", "application/json")]
+#: the stored status of a result, and of a failure kept under ``ON_EXCEPTION="store"``
+RESULT_STATUS, FAILURE_STATUS = 200, 500
+
+
+class StoredFailure(IdempotencyError):
+    """The first delivery of this message raised, and ``ON_EXCEPTION`` is ``"store"``:
+    later deliveries raise this instead of running ``fn`` again."""
+
+    def __init__(self, key: str, exception_type: str, message: str) -> None:
+        super().__init__(
+            f"the first run of {key!r} raised {exception_type}: {message}"
+            " (stored; it will not run again)"
+        )
+        self.key = key
+        #: the qualified name of the first exception's type
+        self.exception_type = exception_type
+        #: its message
+        self.message = message
+
+
+def run_once(
+    state: IdempotencyState,
+    key: str,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tenant: str,
+) -> T:
+    """See :meth:`.Idempotency.run_once`."""
+    settings = state.settings.route
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str, got {tenant!r:.80}")
+    if not isinstance(key, str):
+        raise InvalidKey(f"the message key must be a str, got {key!r:.80}")
+    key = parse_key([key], "The message key")
+    outcome = state.store.claim(tenant, key, _fingerprint(fn), settings)
+    _announce(tenant, key, outcome)
+    if not outcome.owns_key:
+        return _replayed(key, outcome)  # type: ignore[no-any-return]
+    claim = ClaimedKey(tenant, key, outcome, settings, state.store)
+    return _run(settings, claim, fn, args, kwargs)
+
+
+def _fingerprint(fn: Callable[..., Any]) -> bytes:
+    """The same message id given to another consumer function is misuse (422's twin)."""
+    name = f"run_once\x00{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return hashlib.sha256(name.encode("utf-8", "backslashreplace")).digest()
+
+
+def _replayed(key: str, outcome: ClaimOutcome) -> Any:
+    """The stored result, or the error a delivery that must not run gets."""
+    decision = outcome.decision
+    if decision is Decision.REPLAY:
+        assert outcome.response is not None
+        stored = json.loads(outcome.response.body)
+        if outcome.response.status == FAILURE_STATUS:
+            raise StoredFailure(key, stored["exception"], stored["message"])
+        return stored
+    if decision is Decision.MISMATCH:
+        raise FingerprintMismatch(f"the key {key!r} was used by another consumer function")
+    if decision is Decision.IN_PROGRESS:
+        raise RequestInProgress(
+            f"a delivery of {key!r} is running right now; leave the message to be redelivered"
+        )
+    raise OutcomeUnknown(
+        f"the outcome of {key!r} is unknown (a run was interrupted); resolve it first"
+    )
+
+
+def _run(
+    settings: RouteSettings,
+    claim: ClaimedKey,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """Run *fn* as the owner of the key, then store its result or its failure."""
+    with _claimed(claim):
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            claim.exception = exc
+            _end(claim, _failure_status(settings), _failure(exc))
+            raise
+        if claim.released:
+            _end(claim, KeyStatus.RETRYABLE, None)
+            return result
+        try:
+            body = json.dumps(result, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            # fn ran, its result cannot be kept: nobody can tell a redelivery what happened.
+            _end(claim, KeyStatus.UNKNOWN, None)
+            raise TypeError(f"run_once: the result of {claim.key!r} is not JSON: {exc}") from exc
+        _end(claim, KeyStatus.COMPLETED, StoredResponse(RESULT_STATUS, _JSON, body))
+        return result
+
+
+def _failure_status(settings: RouteSettings) -> KeyStatus:
+    return {
+        "store": KeyStatus.COMPLETED,
+        "release": KeyStatus.RETRYABLE,
+        "unknown": KeyStatus.UNKNOWN,
+    }[settings.on_exception]
+
+
+def _failure(exc: BaseException) -> StoredResponse:
+    kind = type(exc)
+    body = {"exception": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc)[:2000]}
+    return StoredResponse(FAILURE_STATUS, _JSON, json.dumps(body).encode())
+
+
+def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) -> None:
+    """One fenced UPDATE; the jobs staged outside phases commit only with a result."""
+    jobs = claim.jobs if response is not None and response.status == RESULT_STATUS else []
+    try:
+        owned = claim.store.finish(
+            claim.tenant,
+            claim.key,
+            claim.outcome,
+            status,
+            ttl=claim.settings.ttl,
+            response=response,
+            notify=claim.settings.wait > 0,
+            jobs=jobs,
+        )
+    except StoreError as exc:
+        logger.error("decision=store_failed consumer key=%r error=%s", claim.key, exc)
+        raise
+    level = logging.DEBUG if owned else logging.WARNING
+    logger.log(
+        level,
+        "decision=%s consumer tenant=%r key=%r attempt=%d",
+        status.value if owned else "fenced",
+        claim.tenant,
+        claim.key,
+        claim.attempt,
+    )
+
+
+@contextmanager
+def _claimed(claim: ClaimedKey) -> Iterator[None]:
+    """``current_idempotency`` is *claim* while *fn* runs (and whatever it was after)."""
+    outer = peek_claim()
+    set_claim(claim)
+    try:
+        yield
+    finally:
+        pop_claim()
+        if outer is not None:
+            set_claim(outer)
+
+
+def _announce(tenant: str, key: str, outcome: ClaimOutcome) -> None:
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    for signal, extra in decision_signals(outcome, waited=0.0):
+        signal.send(app, tenant=tenant, key=key, claim_seconds=0.0, **extra)
+    logger.debug(
+        "decision=%s consumer tenant=%r key=%r attempt=%d",
+        outcome.decision.value,
+        tenant,
+        key,
+        outcome.attempt,
+    )

@@ -1,0 +1,138 @@
+"""Handing committed jobs to a real queue: ``flask idempotency-dispatch`` (SPEC §10).
+
+Each batch is held by row locks (``FOR UPDATE SKIP LOCKED``) for as long as its
+transaction lives, so dispatchers on several hosts share the table, and one that dies
+hands its batch back at once. A job is deleted only after the dispatcher function
+returned: a crash in between means the job is handed over again, with the same id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .jobs import Job
+from .postgres import PostgresStore
+from .queries import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
+
+logger = logging.getLogger("flask_idempotency")
+
+#: the longest a failed hand-over waits before its next try
+MAX_BACKOFF = timedelta(hours=1)
+
+#: ``fn(job)``: hand *job* to a real queue; return once the queue accepted it
+DispatchFunction = Callable[[Job], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Undispatched:
+    """A job that stays: its dispatcher failed, or no dispatcher knows its name."""
+
+    job: Job
+    reason: str
+    #: False for an unknown name: such a job backs off but is never dead
+    counts: bool
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """What one dispatch batch did."""
+
+    dispatched: int = 0
+    #: every job that was not dispatched, and why
+    undispatched: list[Undispatched] = dataclasses.field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for u in self.undispatched if u.counts)
+
+    @property
+    def unknown(self) -> int:
+        return sum(1 for u in self.undispatched if not u.counts)
+
+
+class Dispatcher:
+    """Hands committed jobs to *dispatch*, one batch per :meth:`run_batch`."""
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        dispatch: DispatchFunction,
+        *,
+        backoff: timedelta,
+        max_attempts: int,
+    ) -> None:
+        self.store = store
+        self.dispatch = dispatch
+        self.backoff = backoff
+        self.max_attempts = max_attempts
+
+    def run_batch(self, limit: int) -> BatchReport:
+        """Lock up to *limit* due jobs, hand each over, then forget the dispatched ones
+        and reschedule the others, all in one transaction.
+
+        :raises StoreError: the store failed; nothing was forgotten.
+        """
+        report = BatchReport()
+        store = self.store
+        with store.connection() as conn, conn.transaction():
+            rows = conn.execute(store.render(DUE_JOBS), {"limit": limit}).fetchall()
+            done: list[str] = []
+            for row in rows:
+                job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
+                undispatched = self._hand_over(job)
+                if undispatched is None:
+                    done.append(job.id)
+                else:
+                    report.undispatched.append(undispatched)
+            report.dispatched = len(done)
+            if done:
+                conn.execute(store.render(DELETE_JOBS), {"ids": done})
+            if report.undispatched:
+                conn.execute(store.render(FAIL_JOBS), self._failure_params(report))
+        return report
+
+    def _hand_over(self, job: Job) -> Undispatched | None:
+        """Dispatch one job; None once the dispatcher accepted it."""
+        knows = getattr(self.dispatch, "knows", None)
+        if knows is not None and not knows(job.name):
+            logger.error(
+                "job=%s name=%r tenant=%r key=%r: no dispatcher knows this job name; kept",
+                job.id,
+                job.name,
+                job.tenant,
+                job.key,
+            )
+            return Undispatched(job, f"no dispatcher knows the job name {job.name!r}", False)
+        try:
+            self.dispatch(job)
+        except Exception as exc:
+            logger.error(
+                "job=%s name=%r attempt=%d: the dispatcher failed\n%s",
+                job.id,
+                job.name,
+                job.attempts + 1,
+                traceback.format_exc(),
+            )
+            return Undispatched(job, _text(f"{type(exc).__name__}: {exc}")[:2000], True)
+        return None
+
+    def _failure_params(self, report: BatchReport) -> dict[str, Any]:
+        return {
+            "ids": [u.job.id for u in report.undispatched],
+            "errors": [u.reason for u in report.undispatched],
+            "countable": [u.counts for u in report.undispatched],
+            "backoff": self.backoff,
+            "cap": MAX_BACKOFF,
+            "max_attempts": self.max_attempts,
+        }
+
+
+def _text(message: str) -> str:
+    """*message* as PostgreSQL text can hold it (no NUL, no lone surrogates)."""
+    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
