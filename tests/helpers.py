@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from flask import Flask
@@ -15,6 +15,7 @@ from werkzeug.test import TestResponse
 
 PROBLEM = "application/problem+json"
 DB = psycopg.Connection[TupleRow]
+T = TypeVar("T")
 
 
 def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
@@ -72,11 +73,14 @@ def run_together(count: int, request: Callable[[], TestResponse]) -> list[TestRe
     return results
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+def wait_until(condition: Callable[[], T], timeout: float = 10) -> T:
+    """Poll *condition* until it returns something truthy, and return that; fail after
+    *timeout* seconds."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+    return value
 
 
 def lease_over(db: DB, key: str) -> Callable[[], bool]:
