@@ -9,8 +9,9 @@ environment only:
 - ``E2E_EXECUTIONS_URL``: the database holding ``e2e_executions`` and ``e2e_gates`` (it may be
   another server than the store, so that the view keeps working while the store is down).
 
-``POST /pay`` is idempotent. Before anything else it records its execution (tenant, key,
-attempt, worker pid) in ``e2e_executions`` and commits, so a test knows which worker runs it.
+``POST /pay`` is idempotent and stages a ``receipt`` job. First it records its execution
+(tenant, key, attempt, worker pid) in ``e2e_executions`` and commits, so a test knows which
+worker runs it.
 Then, if the request has ``X-Gate: <name>``, it waits (bounded, polling) until the row
 ``e2e_gates(name)`` says ``open``: a test holds the view there, across processes, to kill the
 worker or to let its lease run out. ``X-Delay: <seconds>`` makes it take that long.
@@ -85,6 +86,8 @@ def create_app() -> Flask:
     @idempotency.idempotent
     def pay() -> tuple[dict[str, Any], int, dict[str, str]]:
         attempt = current_idempotency.attempt
+        # Staged before the gate: a worker killed there must leave no job behind.
+        current_idempotency.stage("receipt", {"attempt": attempt})
         with psycopg.connect(executions_url, autocommit=True, connect_timeout=10) as conn:
             conn.execute(
                 "INSERT INTO e2e_executions (tenant, key, attempt, pid) VALUES (%s, %s, %s, %s)",

@@ -9,6 +9,7 @@ which worker runs the view, and for how long.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import threading
@@ -122,6 +123,13 @@ def retry(port: int, key: str, tenant: str) -> Response:
     return post(port, "/pay", key, headers={"X-Tenant": tenant})
 
 
+def staged_jobs(db: DB, tenant: str, key: str) -> list[Any]:
+    rows = db.execute(
+        "SELECT payload FROM idempotency_jobs WHERE tenant = %s AND key = %s", (tenant, key)
+    ).fetchall()
+    return [json.loads(payload) for (payload,) in rows]
+
+
 def assert_in_progress(answer: Response) -> None:
     assert answer.status == 409, (answer.status, answer.body)
     assert answer.problem_type().endswith(":request-in-progress")
@@ -180,6 +188,8 @@ def test_worker_killed_mid_view(
             assert answer.body == after_lease.body
         row = key_row(db, tenant, key)
         assert (row["status"], row["attempt"], row["body"]) == ("completed", 2, after_lease.body)
+        # The killed attempt's staged job died with it; attempt 2's committed with its answer.
+        assert staged_jobs(db, tenant, key) == [{"attempt": 2}]
     else:
         # The outcome of attempt 1 is unknown: the view never runs again.
         for answer in [after_lease, *later]:
@@ -187,6 +197,7 @@ def test_worker_killed_mid_view(
             assert answer.problem_type().endswith(":outcome-unknown")
         assert runs == [(1, victim)]
         assert key_row(db, tenant, key)["status"] == "unknown"
+        assert staged_jobs(db, tenant, key) == []
 
     # The master replaced the killed worker, and the service keeps answering.
     workers_after = server.wait_for_workers(exclude={victim})
