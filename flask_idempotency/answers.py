@@ -7,6 +7,7 @@ problem it raises (if any); :func:`answer` applies it. A new decision is a new r
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -89,6 +90,8 @@ def answer(
     )
     if row.problem is not None:
         detail = row.detail.format(header=settings.header)
+        if outcome.decision is Decision.IN_PROGRESS and settings.in_progress_status == 202:
+            return accepted(settings, detail)
         raise settings.problem(row.problem, detail, retry_after=row.retry_after)
     if outcome.response is not None:
         return replay(outcome.response, settings)
@@ -126,4 +129,18 @@ def replay(stored: StoredResponse, settings: RouteSettings) -> Response:
         stored.body, status=stored.status, headers=stored.headers
     )
     response.headers[settings.replay_header] = "true"
+    return response
+
+
+def accepted(settings: RouteSettings, detail: str, location: str | None = None) -> Response:
+    """``202 Accepted`` with ``Retry-After``: the work runs, come back later (to
+    *location*, when given). Never stored, never a replay."""
+    body = {"status": "processing", "detail": detail}
+    headers = {"Retry-After": str(settings.retry_after)}
+    if location is not None:
+        headers["Location"] = location
+        body["location"] = location
+    response: Response = current_app.response_class(
+        json.dumps(body), status=202, headers=headers, mimetype="application/json"
+    )
     return response

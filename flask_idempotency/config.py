@@ -143,6 +143,13 @@ def _header_names(value: Any, key: str) -> frozenset[str]:
     return frozenset(n.lower() for n in names)
 
 
+def _in_progress_status(value: Any, key: str) -> int:
+    status = _int_at_least(0)(value, key)
+    if status not in (202, 409):
+        raise ConfigError(f"{key} must be 409 or 202, got {value!r}.")
+    return int(status)
+
+
 def option(default: Any, convert: Converter) -> Any:
     """Declare a setting: its default as written in ``app.config`` (JSON-friendly, so
     ``app.config.from_prefixed_env()`` works) and its converter."""
@@ -168,6 +175,8 @@ class RouteSettings:
     max_response_bytes: int = option(1024 * 1024, _int_at_least(0))
     excluded_headers: frozenset[str] = option(DEFAULT_EXCLUDED_HEADERS, _header_names)
     error_format: str = option("problem", _choice("problem", "stripe"))
+    #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
+    in_progress_status: int = option(409, _in_progress_status)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
 
     def override(self, options: Mapping[str, Any]) -> RouteSettings:

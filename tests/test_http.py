@@ -7,9 +7,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from flask import Flask
-from helpers import DB, executions, post, problem
+from helpers import DB, executions, hold_first, post, problem
 from werkzeug.test import TestResponse
+
+from flask_idempotency import ConfigError
 
 
 def test_missing_key_is_400(app: Flask, db: DB) -> None:
@@ -214,3 +217,27 @@ def test_stripe_compatible_error_bodies(make_app: Callable[..., Flask], key: str
     assert missing.get_json()["error"]["type"] == "invalid_request_error"
     invalid = post(client, "/payments", "a b")
     assert invalid.get_json()["error"]["code"] == "key-invalid"
+
+
+def test_in_progress_status_202_answers_accepted_instead_of_409(
+    make_app: Callable[..., Flask], key: str
+) -> None:
+    app = make_app(IDEMPOTENCY_IN_PROGRESS_STATUS=202)
+    thread, proceed, results = hold_first(app, key)
+    try:
+        twin = post(app.test_client(), "/payments", key)
+        assert twin.status_code == 202 and twin.headers["Retry-After"] == "1"
+        assert twin.mimetype == "application/json" and "Location" not in twin.headers
+        assert twin.get_json()["status"] == "processing"
+    finally:
+        proceed.set()
+        thread.join(10)
+    assert results["first"].status_code == 201
+    replay = post(app.test_client(), "/payments", key)
+    assert replay.status_code == 201 and replay.data == results["first"].data
+
+
+@pytest.mark.parametrize("bad", [418, "nan", 200])
+def test_in_progress_status_is_409_or_202(make_app: Callable[..., Flask], bad: object) -> None:
+    with pytest.raises(ConfigError, match="IDEMPOTENCY_IN_PROGRESS_STATUS"):
+        make_app(IDEMPOTENCY_IN_PROGRESS_STATUS=bad)
