@@ -206,7 +206,7 @@ class PostgresStore:
             "ttl": terms.ttl,
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
         }
-        _, row = self._run(self._claim, params, pinned)
+        _, row = self._run(self._claim, params, pinned, fetch=True)
         assert row is not None
         return _claim_outcome(row, fingerprint)
 
@@ -264,13 +264,18 @@ class PostgresStore:
         self._run(self._notify, {"lock_id": lock_id(tenant, key)})
 
     def _run(
-        self, query: str, params: dict[str, Any], pinned: PinnedConnection | None = None
+        self,
+        query: str,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None = None,
+        *,
+        fetch: bool = False,
     ) -> tuple[int, tuple[Any, ...] | None]:
-        """Run one statement, on *pinned* or on a pooled connection: its row count and
-        its first row."""
+        """Run one statement, on *pinned* or on a pooled connection: its row count and,
+        with *fetch*, its first row."""
         with self._connection_for(pinned) as conn:
             cur = conn.execute(query, params)
-            return cur.rowcount, cur.fetchone() if cur.description else None
+            return cur.rowcount, cur.fetchone() if fetch else None
 
     @contextmanager
     def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
