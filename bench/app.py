@@ -64,7 +64,7 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
     app = Flask(__name__)
     url = database_url or os.environ["BENCH_DATABASE_URL"]
     executions = ExecutionLog(exec_dir or os.environ["BENCH_EXEC_DIR"])
-    # The extension's defaults (bench/bench.py runs `flask idempotency-init` first), unless
+    # The extension's defaults (bench/servers.py runs `flask idempotency-init` first), unless
     # the environment says otherwise: FLASK_IDEMPOTENCY_TTL=... and so on.
     app.config["IDEMPOTENCY_DATABASE_URL"] = url
     app.config.from_prefixed_env()
@@ -91,14 +91,14 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
 
     @app.get("/health")
     def health() -> dict[str, str]:
-        """Which flask_idempotency this process runs (bench/bench.py checks it)."""
+        """Which flask_idempotency this process runs (bench/servers.py checks it)."""
         return {"library": os.path.dirname(flask_idempotency.__file__)}
 
     @app.get("/flush-stats")
     def flush_stats() -> dict[str, int]:
         """``SELECT 1`` on every connection of this worker's pools: a PostgreSQL backend
         reports its statistics when a statement ends a second or more after its last
-        report, so bench/bench.py calls this (after a pause) to read complete counters.
+        report, so bench/meter.py calls this (after a pause) to read complete counters.
         The statement writes no WAL, so it adds no WAL flush."""
         pools: list[ConnectionPool[Any]] = [idempotency_pool()]
         if opened["pid"] == os.getpid():

@@ -9,7 +9,7 @@ The difference to ``plain`` is what the protection costs in Python.
 
 VARIANT is ``plain``, ``new`` (a new key per request), ``replay`` or ``handrolled`` (new
 keys). Prints one line: ``BENCH_JSON {"cpu_us": ..., "user_us": ..., "sys_us": ...,
-"wall_us": ...}`` per request. bench/bench.py runs it, once as is and once under py-spy.
+"wall_us": ...}`` per request. bench/profiles.py runs it, once as is and once under py-spy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,212 @@
+"""Round trips, statements, commits, transaction ids and WAL per request, counted with
+sequential requests to a one-worker gunicorn whose pools connect through a proxy."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from bench.common import DATABASE, BenchError, get_json, percentile, post
+from bench.meter import LAGGING, window
+
+if TYPE_CHECKING:
+    from bench.driver import Bench
+
+#: (name, label, path, which replay key or None for a new key per request)
+CASES = [
+    ("b", "new key, @idempotent", "/idempotent", None),
+    ("c", "replay, @idempotent", "/idempotent", "/idempotent"),
+    ("f", "new key, hand-rolled", "/handrolled", None),
+    ("f-replay", "replay, hand-rolled", "/handrolled", "/handrolled"),
+    ("a", "plain view", "/plain", None),
+]
+PER_REQUEST = ("commits", "xids", "wal_flushes", "wal_flushes_all", "wal_bytes")
+
+
+class CountingProxy:
+    """A TCP proxy in front of PostgreSQL that counts round trips.
+
+    A round trip is counted each time the client sends after the server last sent (or
+    for the first time): messages the client sends without waiting for an answer, such
+    as Parse/Bind/Execute/Sync of one statement, are one round trip.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        self.round_trips = 0
+        self.connections = 0
+        self._sockets: list[socket.socket] = []
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    def snapshot(self) -> tuple[int, int]:
+        with self.lock:
+            return self.round_trips, self.connections
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self._sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sockets.append(sock)
+            with self.lock:
+                self.connections += 1
+            state = {"last": ""}
+            for src, dst, direction in ((client, upstream, "up"), (upstream, client, "down")):
+                threading.Thread(
+                    target=self._pump, args=(src, dst, direction, state), daemon=True
+                ).start()
+
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, direction: str, state: dict[str, str]
+    ) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                with self.lock:  # counted before forwarding, so before the answer can come
+                    if direction == "up" and state["last"] != "up":
+                        self.round_trips += 1
+                    state["last"] = direction
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def statement_calls(bench: Bench) -> list[tuple[Any, ...]]:
+    return bench.db.query(
+        """
+        SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70), calls, wal_records,
+               mean_exec_time * 1000, wal_bytes
+        FROM pg_stat_statements
+        WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s)
+        ORDER BY calls DESC, 1
+        """,
+        [DATABASE],
+    )
+
+
+def count_round_trips(bench: Bench) -> None:
+    """Sequential requests to a one-worker gunicorn whose pools go through a proxy."""
+    proxy = CountingProxy(bench.db.port)
+    proxy.start()
+    server = bench.start_gunicorn(
+        "count", 1, f"postgresql://postgres@127.0.0.1:{proxy.port}/{DATABASE}"
+    )
+    try:
+        prefix = f"count{bench.run_id}"
+        replay_key = {path: f"{prefix}-replay{path[1:]}" for path in ("/idempotent", "/handrolled")}
+        # Warm-up: open the pools, check the schema, prepare the statements on every
+        # pooled connection (the pool hands its connections out in turn).
+        for i in range(20):
+            for path in ("/idempotent", "/handrolled", "/plain"):
+                post(server.port, path, f"{prefix}-warm-{path[1:]}-{i}")
+            for path, key in replay_key.items():
+                post(server.port, path, key)
+
+        def poke() -> None:
+            if get_json(server.port, "/flush-stats") is None:
+                raise BenchError("GET /flush-stats failed on the counting server")
+
+        # No autovacuum meanwhile: its transactions would count as commits.
+        bench.db.autovacuum(False)
+        bench.db.execute("CHECKPOINT")
+        # What the pokes themselves add to a window (their statements commit), to take off.
+        first = bench.meter.settled(poke)
+        poke_cost = window(first, bench.meter.settled(poke))
+        counted: dict[str, Any] = {}
+        for name, label, path, replay_of in CASES:
+            key = replay_key[replay_of] if replay_of else f"{prefix}-{name}-{{}}"
+            counted[name] = count_case(bench, proxy, server.port, poke, poke_cost, label, path, key)
+        bench.results["counted"] = counted
+        bench.results["counted_poke_cost"] = {k: poke_cost[k] for k in LAGGING}
+    finally:
+        bench.db.autovacuum(True)
+        bench.stop_gunicorn(server)
+        proxy.close()
+
+
+def count_case(
+    bench: Bench,
+    proxy: CountingProxy,
+    port: int,
+    poke: Callable[[], None],
+    poke_cost: dict[str, float],
+    label: str,
+    path: str,
+    key: str,
+) -> dict[str, Any]:
+    """Sequential requests with *key*: the same key (replays), or a new one per request if
+    *key* has a ``{}`` for the request's number."""
+    n = bench.args.count_requests
+    before = bench.meter.settled(poke)
+    bench.db.query("SELECT pg_stat_statements_reset()")
+    trips0, conns0 = proxy.snapshot()
+    statuses: collections.Counter[str] = collections.Counter()
+    latencies = []
+    for i in range(n):
+        t = time.perf_counter()
+        status, replayed = post(port, path, key.format(i))
+        latencies.append((time.perf_counter() - t) * 1000)
+        statuses[f"{status}{' replayed' if replayed else ''}"] += 1
+    trips1, conns1 = proxy.snapshot()
+    statements = statement_calls(bench)
+    delta = window(before, bench.meter.settled(poke))
+    c = {
+        "label": label,
+        "requests": n,
+        "statuses": dict(statuses),
+        "round_trips": (trips1 - trips0) / n,
+        "new_connections": conns1 - conns0,
+        "statements": sum(row[1] for row in statements) / n,
+        # WAL written by the statements themselves (pg_stat_statements); the LSN
+        # difference in wal_bytes also has the server's background records
+        "statement_wal_bytes": sum(float(row[4]) for row in statements) / n,
+        **{k: (delta[k] - poke_cost[k]) / n for k in PER_REQUEST},
+        "sequential_latency_ms_p50": percentile(latencies, 50),
+        "statement_calls": [
+            {
+                "query": q,
+                "calls": calls,
+                "wal_records": w,
+                "wal_bytes": int(b),
+                "mean_exec_us": round(t, 1),
+            }
+            for q, calls, w, t, b in statements
+        ],
+    }
+    bench.log(
+        f"counted {label:22}: {c['round_trips']:.2f} round trips,"
+        f" {c['statements']:.2f} statements, {c['commits']:.2f} commits,"
+        f" {c['xids']:.2f} xids, {c['wal_flushes']:.2f} WAL flushes"
+        f" ({c['wal_flushes_all']:.2f} with background processes),"
+        f" {c['wal_bytes']:.0f} WAL bytes per request; {dict(statuses)}"
+    )
+    return c

@@ -1,0 +1,178 @@
+"""One benchmark run: the shared state of its phases, their order, and the cleanup."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import flask_idempotency
+from bench import counting, phases, profiles
+from bench.common import BY_NAME, ROOT, BenchError, Variant
+from bench.load import Pgbench, run_wrk
+from bench.meter import Meter
+from bench.report import render_report
+from bench.servers import Gunicorn, Postgres, Processes, app_env, start_gunicorn, stop_gunicorn
+from bench.system import library_state, machine, sources_hash
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.started = time.monotonic()
+        self.run_id = uuid.uuid4().hex[:6]
+        if args.workdir:
+            self.workdir = Path(args.workdir).resolve()
+            self.own_workdir = False
+        else:
+            self.workdir = Path(tempfile.mkdtemp(prefix="flask-idempotency-bench.", dir="/var/tmp"))
+            self.own_workdir = True
+        self.workdir.chmod(0o755)
+        self.repo = Path(args.repo).resolve() if args.repo else ROOT
+        self.outdir = (self.repo / args.out).resolve()  # relative to the repository
+        self.exec_dir = self.workdir / "exec"
+        self.processes = Processes(self.workdir / "pids")
+        self.db = Postgres(self.workdir / "pgdata", self.processes)
+        self.pgbench = Pgbench(self.db, self.processes, self.workdir, self.exec_dir)
+        self.gunicorns: list[Gunicorn] = []
+        self.main: Gunicorn | None = None
+        self.meter = Meter(self.db, self.gunicorns, args.settle, self.poke_main)
+        self.results: dict[str, Any] = {"run_id": self.run_id, "settings": {}}
+        self.prefixes: dict[str, list[str]] = collections.defaultdict(list)
+        self.discarded: list[dict[str, Any]] = []
+        self.repeats = 0
+        self.py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+
+    # -- helpers of the phases ---------------------------------------------------------
+
+    def log(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+    def app_env(self, database_url: str) -> dict[str, str]:
+        return app_env(database_url, self.exec_dir)
+
+    def start_gunicorn(self, name: str, workers: int, database_url: str) -> Gunicorn:
+        env = self.app_env(database_url)
+        server = start_gunicorn(self.processes, self.workdir, name, workers, env)
+        self.gunicorns.append(server)
+        self.results["settings"].setdefault("gunicorn", {})[name] = server.command
+        return server
+
+    def stop_gunicorn(self, server: Gunicorn) -> None:
+        stop_gunicorn(self.processes, server)
+        if server in self.gunicorns:
+            self.gunicorns.remove(server)
+
+    def poke_main(self) -> None:
+        """/flush-stats on every worker, for one second (see Meter.settled)."""
+        assert self.main is not None
+        url = f"http://127.0.0.1:{self.main.port}/flush-stats"
+        self.processes.run(["wrk", "-t", "1", "-c", "4", "-d", "1s", url], timeout=60)
+
+    def exec_lines(self, route: str, pid: int) -> int:
+        """How many times worker *pid* ran the view of *route*."""
+        path = self.exec_dir / f"exec-{route}-{pid}.log"
+        try:
+            with path.open("rb") as f:
+                return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+        except FileNotFoundError:
+            return 0
+
+    def run_variant(
+        self, server: Gunicorn, variant: Variant, tag: str, seconds: float
+    ) -> dict[str, Any]:
+        a = self.args
+        if variant.is_pgbench:
+            result = self.pgbench.run(seconds, tag, threads=a.threads, connections=a.connections)
+            self.results["settings"]["pgbench"] = self.pgbench.command
+            return result
+        prefix = f"{variant.name}{tag}x{self.run_id}"
+        self.prefixes[variant.name].append(prefix)
+        return run_wrk(
+            self.processes,
+            server.port,
+            variant.path,
+            variant.mode,
+            prefix,
+            seconds,
+            threads=a.threads,
+            connections=a.connections,
+        )
+
+    # -- the whole run -----------------------------------------------------------------
+
+    def run(self) -> None:
+        a = self.args
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        self.results["machine"] = machine(self.workdir)
+        self.results["library_at_start"] = library_state(self.repo)
+        self.results["measured_sources"] = {
+            "path": str(Path(flask_idempotency.__file__).parent),
+            "sha256": sources_hash(Path(flask_idempotency.__file__).parent.parent),
+        }
+        self.log(f"measuring flask_idempotency from {self.results['measured_sources']['path']}")
+        self.results["settings"]["idempotency_overrides"] = {
+            k.removeprefix("FLASK_"): v
+            for k, v in os.environ.items()
+            if k.startswith("FLASK_IDEMPOTENCY_")
+        }
+        self.results["settings"]["wrk"] = (
+            f"-t {a.threads} -c {a.connections} -d {a.seconds:g}s, bench/wrk.lua"
+        )
+        self.results["settings"]["rounds"] = a.rounds
+        self.results["settings"]["postgres"] = self.db.start(self.log)
+        self.exec_dir.mkdir(exist_ok=True)
+        self.db.prepare_app(self.app_env(self.db.url))
+        server = self.main = self.start_gunicorn("main", a.workers, self.db.url)
+        self.log(f"gunicorn: {a.workers} sync workers {server.worker_pids} on port {server.port}")
+        phases.rounds(self, server)
+        self.log("counting round trips, statements, commits and WAL flushes")
+        counting.count_round_trips(self)
+        worker_profiles = {}
+        for name in ("b", "c"):
+            self.log(f"profiling one worker during {name} ({a.profile_seconds:g} s)")
+            try:
+                worker_profiles[name] = profiles.profile_worker(
+                    self, server, BY_NAME[name], a.profile_seconds
+                )
+            except BenchError as exc:  # py-spy may not attach (ptrace_scope, containers)
+                self.log(f"no profile of {name}: {exc}")
+        self.results["profiles"] = worker_profiles
+        self.log("CPU per request in process (Flask test client, no HTTP server)")
+        profiles.inprocess(self)
+        phases.rss_run(self, server)
+        phases.double_executions(self)
+        self.results["library_at_end"] = library_state(self.repo)
+        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        self.write_report()
+
+    def write_report(self) -> None:
+        report = render_report(self.results)
+        (self.outdir / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+        (self.outdir / "report.txt").write_text(report)
+        for name, profile in self.results["profiles"].items():
+            (self.outdir / f"profile-{name}.txt").write_text(profile["text"])
+        for name, profile in self.results["cpu_profiles"].items():
+            (self.outdir / f"cpu-profile-{name}.txt").write_text(profile["text"])
+        print("\n" + report, flush=True)
+        self.log(f"done; report and profiles in {self.outdir}")
+
+    def cleanup(self) -> None:
+        self.processes.kill_running()
+        for server in list(self.gunicorns):
+            try:
+                self.stop_gunicorn(server)
+            except Exception as exc:  # keep cleaning up
+                print(f"stopping gunicorn {server.name}: {exc}", file=sys.stderr)
+        if self.db.url or self.db.pid is not None:
+            self.db.stop()
+        if self.own_workdir and not self.args.keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
