@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import uuid
 from typing import Any
@@ -210,7 +211,11 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
 
 
 def start_embedded_postgres() -> str:
-    """Start (or reuse) an embedded PostgreSQL in example/.pgdata; return its URL."""
+    """Start (or reuse) an embedded PostgreSQL in example/.pgdata; return its URL.
+
+    The server stops when the last process using it exits (the gunicorn master, or a
+    ``flask --app example.app ...`` command run while the example is not running).
+    """
     if not os.environ.get("XDG_RUNTIME_DIR"):  # embedded-postgres keeps its lock file there
         runtime = f"/tmp/flask-idempotency-example-{os.getuid()}"
         os.makedirs(runtime, mode=0o700, exist_ok=True)
@@ -219,6 +224,6 @@ def start_embedded_postgres() -> str:
 
     pgdata = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".pgdata")
     url: str = embedded_postgres.get_server(pgdata).get_uri()
-    print(f"example: no DATABASE_URL set; started embedded PostgreSQL in {pgdata}", flush=True)
+    print(f"example: no DATABASE_URL set; embedded PostgreSQL: DATABASE_URL={url}", file=sys.stderr)
     os.environ["DATABASE_URL"] = url
     return url
