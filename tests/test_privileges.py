@@ -1,0 +1,182 @@
+"""The README's least-privilege claim, for real: once an owner has run ``flask idempotency-init``,
+an app whose role has only USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on the table
+serves every kind of request (with the default ``IDEMPOTENCY_CREATE_TABLE = True``), waits on
+LISTEN/NOTIFY, takes advisory locks, and runs the cleaner.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from conftest import executions
+from flask import Flask
+from gunicorn_server import wait_until
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import TupleRow
+from test_http import post, problem
+from test_lifecycle import _hold_first
+from werkzeug.test import TestResponse
+
+DB = psycopg.Connection[TupleRow]
+
+
+@dataclass
+class LimitedRole:
+    name: str
+    url: str
+    schema: str
+
+    @property
+    def table(self) -> str:
+        return f"{self.schema}.idempotency_keys"
+
+
+@pytest.fixture
+def limited_role(database_url: str, db: DB) -> Iterator[LimitedRole]:
+    """A login role and a schema of its own, in which it may not create anything; both
+    dropped afterwards (the role's sessions ended first)."""
+    suffix = uuid.uuid4().hex[:10]
+    role = LimitedRole(f"idem_app_{suffix}", "", f"idem_schema_{suffix}")
+    password = uuid.uuid4().hex
+    name, schema = sql.Identifier(role.name), sql.Identifier(role.schema)
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(name, sql.Literal(password)))
+    db.execute(sql.SQL("CREATE SCHEMA {}").format(schema))
+    db.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(schema, name))
+    role.url = make_conninfo(database_url, user=role.name, password=password)
+    try:
+        yield role
+    finally:
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+            (role.name,),
+        )
+        wait_until(
+            lambda: (
+                db.execute(
+                    "SELECT count(*) = 0 FROM pg_stat_activity WHERE usename = %s", (role.name,)
+                ).fetchone()
+                == (True,)
+            ),
+            10,
+            "the role's sessions to end",
+        )
+        db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(schema))
+        db.execute(sql.SQL("DROP OWNED BY {}").format(name))
+        db.execute(sql.SQL("DROP ROLE {}").format(name))
+
+
+def test_the_app_needs_only_dml_on_the_table(
+    make_app: Callable[..., Flask], limited_role: LimitedRole, key: str, db: DB
+) -> None:
+    role, table = limited_role, sql.Identifier(*limited_role.table.split("."))
+    name = sql.Identifier(role.name)
+
+    # Once, as the owner: the table and its indexes.
+    owner = make_app(IDEMPOTENCY_TABLE=role.table)
+    init = owner.test_cli_runner().invoke(args=["idempotency-init"])
+    assert init.exit_code == 0 and init.output.startswith("created table"), init.output
+    db.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(table, name))
+    # The test app's own tables that its transactional and phased views write on the
+    # claim's connection (the views' bookkeeping goes through the owner's URL).
+    db.execute(sql.SQL("GRANT INSERT ON ledger TO {}").format(name))
+    db.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON orders TO {}").format(name))
+
+    # The role really is limited: it can create nothing, not even an index on the table.
+    with psycopg.connect(role.url, autocommit=True) as conn:
+        for statement in (
+            sql.SQL("CREATE TABLE {}.probe (x int)").format(sql.Identifier(role.schema)),
+            sql.SQL("CREATE INDEX ON {} (updated_at)").format(table),
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+
+    app = make_app(database_url=role.url, IDEMPOTENCY_TABLE=role.table)  # CREATE_TABLE=True
+    client = app.test_client()
+
+    # Claim (advisory lock), store, replay, mismatch.
+    first = post(client, "/payments", key, {"amount": 100})
+    assert first.status_code == 201, first.data
+    replay = post(client, "/payments", key, {"amount": 100})
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
+    problem(post(client, "/payments", key, {"amount": 5}), 422, "key-reused")
+    assert executions(db, key) == 1
+    sessions = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (role.name,)
+    ).fetchone()
+    assert sessions is not None and sessions[0] >= 1, "the app's pool connects as the role"
+
+    # A transactional view (the claim's connection pinned) and phases (recovery points).
+    ledger = post(client, "/ledger", key + "-ledger", {"amount": 7})
+    assert ledger.status_code == 201, ledger.data
+    phased = post(client, "/phased", key + "-phased")
+    assert phased.status_code == 201, phased.data
+    assert db.execute(
+        sql.SQL("SELECT recovery_point, status FROM {} WHERE key = %s").format(table),
+        (key + "-phased",),
+    ).fetchone() == ("charged", "completed")
+
+    # A twin that waits: LISTEN on its own connection as the role, woken by NOTIFY.
+    wait_key = key + "-wait"
+    held, proceed, results = _hold_first(app, wait_key, "/wait")
+    twin: dict[str, TestResponse] = {}
+    waiter = threading.Thread(
+        target=lambda: twin.update(r=post(app.test_client(), "/wait", wait_key))
+    )
+    started = time.monotonic()
+    waiter.start()
+    try:
+        wait_until(
+            lambda: (
+                db.execute(
+                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE usename = %s"
+                    " AND query LIKE 'LISTEN%%'",
+                    (role.name,),
+                ).fetchone()
+                == (True,)
+            ),
+            10,
+            "the role's LISTEN session",
+        )
+    finally:
+        proceed.set()
+        held.join(10)
+        waiter.join(10)
+    assert results["first"].status_code == 201
+    assert twin["r"].headers["Idempotent-Replayed"] == "true"
+    assert twin["r"].data == results["first"].data
+    assert time.monotonic() - started < 5, "woken by NOTIFY, not by the 10 s wait running out"
+
+    # The CLI: the cleaner deletes an expired key (SELECT ... FOR UPDATE, DELETE) as the role.
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (tenant, key, fingerprint, status, generation, expires_at)"
+            " VALUES ('', %s, '\\x00', 'completed', 1, now() - interval '1 s')"
+        ).format(table),
+        (key + "-expired",),
+    )
+    runner = app.test_cli_runner()
+    clean = runner.invoke(args=["idempotency-clean"])
+    assert clean.exit_code == 0, clean.output
+    assert "deleted 1 expired keys" in clean.output
+    listed = runner.invoke(args=["idempotency-list"])
+    assert listed.exit_code == 0 and key in listed.output, listed.output
+
+
+def test_listen_and_notify_need_no_privilege(limited_role: LimitedRole) -> None:
+    channel = f"probe_{uuid.uuid4().hex[:8]}"
+    with (
+        psycopg.connect(limited_role.url, autocommit=True) as listener,
+        psycopg.connect(limited_role.url, autocommit=True) as notifier,
+    ):
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        notifier.execute("SELECT pg_notify(%s, 'hello')", (channel,))
+        got = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        assert got == ["hello"]
+        assert notifier.execute("SELECT pg_try_advisory_xact_lock(42)").fetchone() == (True,)

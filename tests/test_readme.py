@@ -1,0 +1,235 @@
+"""The README's code runs as written: the quick start is example/quickstart.py, byte for byte,
+and works against a real PostgreSQL; the curl demo gets the answers the README shows, from
+the example under real gunicorn.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib
+import json
+import re
+import shlex
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import psycopg
+import pytest
+from flask import Flask, g
+from gunicorn_server import ROOT, GunicornServer
+from psycopg.rows import TupleRow
+from test_e2e_example import start_example
+from werkzeug.exceptions import Unauthorized
+from werkzeug.test import TestResponse
+
+DB = psycopg.Connection[TupleRow]
+README = ROOT / "README.md"
+QUICKSTART = ROOT / "example" / "quickstart.py"
+
+
+def code_block(section: str, language: str) -> str:
+    """The first ```language block after the heading *section* of the README."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {section}\n")
+    opening = text.index(f"\n```{language}\n", start) + len(f"\n```{language}\n")
+    return text[opening : text.index("\n```\n", opening) + 1]
+
+
+# -- the quick start -------------------------------------------------------------------------
+
+
+def test_readme_quick_start_is_example_quickstart() -> None:
+    assert code_block("Quick start", "python") == QUICKSTART.read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def quickstart(database_url: str) -> Iterator[tuple[ModuleType, Flask]]:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    module = importlib.import_module("example.quickstart")
+    app = module.create_app(IDEMPOTENCY_DATABASE_URL=database_url)
+    try:
+        yield module, app
+    finally:
+        app.extensions["idempotency"].store.close()
+
+
+def test_quick_start_runs(quickstart: tuple[ModuleType, Flask], db: DB) -> None:
+    _, app = quickstart
+    client = app.test_client()
+    key = f"order-{uuid.uuid4()}"
+
+    def pay(api_key: str | None, amount: int = 1000, idempotency_key: str = key) -> TestResponse:
+        headers = {"Idempotency-Key": idempotency_key}
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key}"
+        return client.post("/payments", json={"amount": amount}, headers=headers)
+
+    first = pay("sk_test_acme")
+    assert first.status_code == 201, first.data
+    assert first.get_json()["attempt"] == 1
+    assert "Idempotent-Replayed" not in first.headers
+
+    retry = pay("sk_test_acme")
+    assert retry.status_code == 201
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.data == first.data  # the same charge, not a second one
+
+    other = pay("sk_test_globex")  # the same key in another account: another key
+    assert other.status_code == 201 and "Idempotent-Replayed" not in other.headers
+    assert other.get_json()["charge"] != first.get_json()["charge"]
+
+    mismatch = pay("sk_test_acme", amount=5)
+    assert mismatch.status_code == 422
+    assert mismatch.mimetype == "application/problem+json"
+
+    anonymous_key = f"order-{uuid.uuid4()}"
+    for api_key in (None, "sk_wrong"):
+        anonymous = pay(api_key, idempotency_key=anonymous_key)
+        assert anonymous.status_code == 401
+
+    refund = client.post(
+        "/refunds",
+        json={"charge": first.get_json()["charge"]},
+        headers={"Authorization": "Bearer sk_test_acme"},
+    )
+    assert refund.status_code == 201  # required=False: no key, the view runs unprotected
+
+    rows = db.execute(
+        "SELECT tenant, status FROM idempotency_keys WHERE key IN (%s, %s) ORDER BY tenant",
+        (key, anonymous_key),
+    ).fetchall()
+    assert rows == [("acme", "completed"), ("globex", "completed")]  # nothing anonymous
+
+
+def test_quick_start_tenant_loader_refuses_a_request_without_an_account(
+    quickstart: tuple[ModuleType, Flask],
+) -> None:
+    module, app = quickstart
+    with app.test_request_context("/payments", method="POST"):
+        with pytest.raises(Unauthorized):
+            module.tenant()
+    with app.test_request_context("/payments", method="POST"):
+        g.account_id = "acme"
+        assert module.tenant() == "acme"
+
+
+# -- the curl demo ---------------------------------------------------------------------------
+
+WILDCARD = "…"
+
+
+@dataclass
+class Expected:
+    """What the README says one curl command answers."""
+
+    status: int
+    reason: str
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: str | None = None
+
+
+@dataclass
+class Command:
+    method: str
+    path: str
+    headers: dict[str, str]
+    data: bytes | None
+    expected: Expected
+
+
+def matches(pattern: str, actual: str) -> bool:
+    """*actual* is *pattern*, where ``…`` stands for any text."""
+    regex = ".*".join(re.escape(part) for part in pattern.split(WILDCARD))
+    return re.fullmatch(regex, actual, flags=re.DOTALL) is not None
+
+
+def parse_curl(command: str) -> tuple[str, str, dict[str, str], bytes | None]:
+    """The request of ``curl -i -X METHOD URL -H ... -d ...`` (the flags the README uses)."""
+    words = shlex.split(command)
+    assert words[0] == "curl", command
+    method, url, headers, data = "GET", None, {}, None
+    rest = iter(words[1:])
+    for word in rest:
+        if word == "-i":
+            continue
+        if word == "-X":
+            method = next(rest)
+        elif word == "-H":
+            name, _, value = next(rest).partition(":")
+            headers[name.strip()] = value.strip()
+        elif word == "-d":
+            data = next(rest).encode()
+            method = method if method != "GET" else "POST"
+        elif not word.startswith("-") and url is None:
+            url = word
+        else:
+            raise AssertionError(f"the test does not know curl's {word!r}: {command}")
+    assert url is not None and url.startswith("localhost:8000/"), command
+    return method, url.removeprefix("localhost:8000"), headers, data
+
+
+def readme_curl_commands() -> list[Command]:
+    """Each curl command of the README's "Try the example" block, with the answer shown
+    under it as comments: ``# HTTP/1.1 201 CREATED   why``, ``# Name: value``, ``# body``."""
+    commands: list[Command] = []
+    lines = code_block("Try the example", "bash").splitlines()
+    i = 0
+    while i < len(lines):
+        text = lines[i]
+        while text.endswith("\\"):
+            i += 1
+            text = text[:-1] + lines[i]
+        i += 1
+        method, path, headers, data = parse_curl(text)
+        status_line = re.fullmatch(r"# HTTP/1\.1 (\d{3}) ([A-Z ]+?)(?: {2,}.*)?", lines[i])
+        assert status_line, f"no '# HTTP/1.1 ...' line after {text}"
+        expected = Expected(int(status_line[1]), status_line[2])
+        i += 1
+        while i < len(lines) and lines[i].startswith("# "):
+            shown = lines[i][2:]
+            header = re.fullmatch(r"([A-Za-z-]+): (.*)", shown)
+            if header:
+                expected.headers.append((header[1], header[2]))
+            else:
+                assert expected.body is None, f"two bodies shown for {text}"
+                expected.body = shown
+            i += 1
+        commands.append(Command(method, path, headers, data, expected))
+    return commands
+
+
+def test_readme_curl_demo_answers_as_shown(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    commands = readme_curl_commands()
+    assert len(commands) >= 3
+    assert all(c.expected.body is not None for c in commands)
+    server = start_example(start_gunicorn, database_url, db, latency=0)
+    for command in commands:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            conn.request(command.method, command.path, body=command.data, headers=command.headers)
+            answer = conn.getresponse()
+            body = answer.read().decode()
+        finally:
+            conn.close()
+        what = f"{command.method} {command.path} {command.headers}"
+        expected = command.expected
+        assert (answer.status, answer.reason) == (expected.status, expected.reason), what
+        for name, value in expected.headers:
+            assert matches(value, answer.headers.get(name, "")), (what, name, answer.headers)
+        assert expected.body is not None and matches(expected.body, body.rstrip("\n")), (
+            what,
+            body,
+        )
+        if answer.headers.get("Content-Type", "").endswith("json"):
+            json.loads(body)  # what the README shows is JSON, and so is what came back
+    payments = db.execute(
+        "SELECT tenant, count(*) FROM payments WHERE idempotency_key = 'order-1'"
+        " AND tenant IN ('demo-shop', 'another-shop') GROUP BY tenant ORDER BY tenant"
+    ).fetchall()
+    assert payments == [("another-shop", 1), ("demo-shop", 1)]  # one payment per account
