@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -10,12 +12,15 @@ from typing import Any, TypeVar
 import psycopg
 from flask import Flask
 from flask.testing import FlaskClient
+from gunicorn_server import ROOT, GunicornServer
 from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 PROBLEM = "application/problem+json"
 DB = psycopg.Connection[TupleRow]
 T = TypeVar("T")
+EXAMPLE_CONFIG = ROOT / "example" / "gunicorn.conf.py"
+EXAMPLE_APP = "example.app:create_app()"
 
 
 def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
@@ -104,3 +109,27 @@ def hold_first(
     thread.start()
     assert entered.wait(10)
     return thread, proceed, results
+
+
+def create_example_tables(db: DB) -> None:
+    """The example's tables, made before its workers start (each worker would otherwise
+    create them on its first request, and workers starting together could race)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    app = importlib.import_module("example.app")
+    provider = importlib.import_module("example.provider")
+    db.execute(app.PAYMENTS)
+    db.execute(provider.SCHEMA)
+
+
+def start_example(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB, latency: float
+) -> GunicornServer:
+    create_example_tables(db)
+    return start_gunicorn(
+        EXAMPLE_APP,
+        config=EXAMPLE_CONFIG,
+        env={"DATABASE_URL": database_url, "EXAMPLE_PROVIDER_LATENCY": str(latency)},
+        workers=3,
+        worker_class="sync",
+    )

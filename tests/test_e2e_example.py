@@ -6,7 +6,6 @@ client script.
 from __future__ import annotations
 
 import http.client
-import importlib
 import selectors
 import socket
 import subprocess
@@ -21,36 +20,11 @@ import pytest
 import requests
 import stripe
 from gunicorn_server import ROOT, GunicornServer
+from helpers import start_example
 from psycopg.rows import TupleRow
 
 DB = psycopg.Connection[TupleRow]
-CONFIG = ROOT / "example" / "gunicorn.conf.py"
-APP = "example.app:create_app()"
 MAX_HEAD = 64 * 1024
-
-
-def create_example_tables(db: DB) -> None:
-    """The example's tables, made before its workers start (each worker would otherwise
-    create them on its first request, and workers starting together could race)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    app = importlib.import_module("example.app")
-    provider = importlib.import_module("example.provider")
-    db.execute(app.PAYMENTS)
-    db.execute(provider.SCHEMA)
-
-
-def start_example(
-    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB, latency: float
-) -> GunicornServer:
-    create_example_tables(db)
-    return start_gunicorn(
-        APP,
-        config=CONFIG,
-        env={"DATABASE_URL": database_url, "EXAMPLE_PROVIDER_LATENCY": str(latency)},
-        workers=3,
-        worker_class="sync",
-    )
 
 
 # -- a proxy that loses the first answer ---------------------------------------------------

@@ -14,17 +14,11 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
-from conftest import executions
 from flask import Flask
-from gunicorn_server import wait_until
+from helpers import DB, executions, hold_first, post, problem, wait_until
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from psycopg.rows import TupleRow
-from test_http import post, problem
-from test_lifecycle import _hold_first
 from werkzeug.test import TestResponse
-
-DB = psycopg.Connection[TupleRow]
 
 
 @dataclass
@@ -36,6 +30,16 @@ class LimitedRole:
     @property
     def table(self) -> str:
         return f"{self.schema}.idempotency_keys"
+
+
+def sessions(db: DB, role: str, listening: bool = False) -> int:
+    """How many sessions *role* has open (that have run LISTEN, with *listening*)."""
+    query = "SELECT count(*) FROM pg_stat_activity WHERE usename = %s"
+    if listening:
+        query += " AND query LIKE 'LISTEN%%'"
+    row = db.execute(query, (role,)).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 @pytest.fixture
@@ -57,16 +61,7 @@ def limited_role(database_url: str, db: DB) -> Iterator[LimitedRole]:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
             (role.name,),
         )
-        wait_until(
-            lambda: (
-                db.execute(
-                    "SELECT count(*) = 0 FROM pg_stat_activity WHERE usename = %s", (role.name,)
-                ).fetchone()
-                == (True,)
-            ),
-            10,
-            "the role's sessions to end",
-        )
+        wait_until(lambda: sessions(db, role.name) == 0, 10)
         db.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(schema))
         db.execute(sql.SQL("DROP OWNED BY {}").format(name))
         db.execute(sql.SQL("DROP ROLE {}").format(name))
@@ -107,10 +102,7 @@ def test_the_app_needs_only_dml_on_the_table(
     assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
     problem(post(client, "/payments", key, {"amount": 5}), 422, "key-reused")
     assert executions(db, key) == 1
-    sessions = db.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (role.name,)
-    ).fetchone()
-    assert sessions is not None and sessions[0] >= 1, "the app's pool connects as the role"
+    assert sessions(db, role.name) >= 1, "the app's pool connects as the role"
 
     # A transactional view (the claim's connection pinned) and phases (recovery points).
     ledger = post(client, "/ledger", key + "-ledger", {"amount": 7})
@@ -124,7 +116,7 @@ def test_the_app_needs_only_dml_on_the_table(
 
     # A twin that waits: LISTEN on its own connection as the role, woken by NOTIFY.
     wait_key = key + "-wait"
-    held, proceed, results = _hold_first(app, wait_key, "/wait")
+    held, proceed, results = hold_first(app, wait_key, "/wait")
     twin: dict[str, TestResponse] = {}
     waiter = threading.Thread(
         target=lambda: twin.update(r=post(app.test_client(), "/wait", wait_key))
@@ -132,18 +124,7 @@ def test_the_app_needs_only_dml_on_the_table(
     started = time.monotonic()
     waiter.start()
     try:
-        wait_until(
-            lambda: (
-                db.execute(
-                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE usename = %s"
-                    " AND query LIKE 'LISTEN%%'",
-                    (role.name,),
-                ).fetchone()
-                == (True,)
-            ),
-            10,
-            "the role's LISTEN session",
-        )
+        wait_until(lambda: sessions(db, role.name, listening=True) > 0, 10)
     finally:
         proceed.set()
         held.join(10)

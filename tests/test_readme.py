@@ -16,16 +16,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
-import psycopg
 import pytest
 from flask import Flask, g
 from gunicorn_server import ROOT, GunicornServer
-from psycopg.rows import TupleRow
-from test_e2e_example import start_example
+from helpers import DB, start_example
 from werkzeug.exceptions import Unauthorized
 from werkzeug.test import TestResponse
 
-DB = psycopg.Connection[TupleRow]
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "example" / "quickstart.py"
 
