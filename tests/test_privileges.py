@@ -1,7 +1,7 @@
 """The README's least-privilege claim, for real: once an owner has run ``flask idempotency-init``,
-an app whose role has only USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on the table
-serves every kind of request (with the default ``IDEMPOTENCY_CREATE_TABLE = True``), waits on
-LISTEN/NOTIFY, takes advisory locks, and runs the cleaner.
+an app whose role has only USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on the two
+tables serves every kind of request (with the default ``IDEMPOTENCY_CREATE_TABLE = True``),
+waits on LISTEN/NOTIFY, takes advisory locks, stages and dispatches jobs, and runs the cleaner.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from werkzeug.test import TestResponse
 
+from flask_idempotency import Job, current_idempotency
+
 
 @dataclass
 class LimitedRole:
@@ -30,6 +32,14 @@ class LimitedRole:
     @property
     def table(self) -> str:
         return f"{self.schema}.idempotency_keys"
+
+    @property
+    def jobs_table(self) -> str:
+        return f"{self.schema}.idempotency_jobs"
+
+    @property
+    def config(self) -> dict[str, str]:
+        return {"IDEMPOTENCY_TABLE": self.table, "IDEMPOTENCY_JOBS_TABLE": self.jobs_table}
 
 
 def sessions(db: DB, role: str, listening: bool = False) -> int:
@@ -71,13 +81,18 @@ def test_the_app_needs_only_dml_on_the_table(
     make_app: Callable[..., Flask], limited_role: LimitedRole, key: str, db: DB
 ) -> None:
     role, table = limited_role, sql.Identifier(*limited_role.table.split("."))
+    jobs_table = sql.Identifier(*limited_role.jobs_table.split("."))
     name = sql.Identifier(role.name)
 
-    # Once, as the owner: the table and its indexes.
-    owner = make_app(IDEMPOTENCY_TABLE=role.table)
+    # Once, as the owner: the tables and their indexes.
+    owner = make_app(**role.config)
     init = owner.test_cli_runner().invoke(args=["idempotency-init"])
     assert init.exit_code == 0 and init.output.startswith("created table"), init.output
-    db.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(table, name))
+    db.execute(
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {} TO {}").format(
+            table, jobs_table, name
+        )
+    )
     # The test app's own tables that its transactional and phased views write on the
     # claim's connection (the views' bookkeeping goes through the owner's URL).
     db.execute(sql.SQL("GRANT INSERT ON ledger TO {}").format(name))
@@ -92,7 +107,15 @@ def test_the_app_needs_only_dml_on_the_table(
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(statement)
 
-    app = make_app(database_url=role.url, IDEMPOTENCY_TABLE=role.table)  # CREATE_TABLE=True
+    app = make_app(database_url=role.url, **role.config)  # and IDEMPOTENCY_CREATE_TABLE=True
+    idempotency = app.extensions["idempotency"].extension
+
+    @app.post("/stage")
+    @idempotency.idempotent
+    def stage() -> tuple[str, int]:
+        current_idempotency.stage("send_receipt", {"key": current_idempotency.key})
+        return "staged", 201
+
     client = app.test_client()
 
     # Claim (advisory lock), store, replay, mismatch.
@@ -148,6 +171,15 @@ def test_the_app_needs_only_dml_on_the_table(
     assert "deleted 1 expired keys" in clean.output
     listed = runner.invoke(args=["idempotency-list"])
     assert listed.exit_code == 0 and key in listed.output, listed.output
+
+    # Staged jobs: committed with the answer, handed to the dispatcher, then forgotten.
+    assert post(client, "/stage", key + "-stage").status_code == 201
+    received: list[Job] = []
+    idempotency.dispatcher(received.append)
+    dispatch = runner.invoke(args=["idempotency-dispatch"])
+    assert dispatch.exit_code == 0, dispatch.output
+    assert [(job.name, job.key) for job in received] == [("send_receipt", key + "-stage")]
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(jobs_table)).fetchone() == (0,)
 
 
 def test_listen_and_notify_need_no_privilege(limited_role: LimitedRole) -> None:
