@@ -11,6 +11,7 @@ from .errors import (
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
+    InvalidTenant,
     MissingKey,
     OutcomeUnknown,
     ProblemError,
@@ -18,6 +19,7 @@ from .errors import (
     RequestTooLarge,
     ResponseNotStorable,
     StoreError,
+    StoreRefused,
     StoreUnavailable,
 )
 from .extension import Idempotency
@@ -32,6 +34,7 @@ __all__ = [
     "Idempotency",
     "IdempotencyError",
     "InvalidKey",
+    "InvalidTenant",
     "Job",
     "KeyStatus",
     "MissingKey",
@@ -41,6 +44,7 @@ __all__ = [
     "RequestTooLarge",
     "ResponseNotStorable",
     "StoreError",
+    "StoreRefused",
     "StoreUnavailable",
     "StoredFailure",
     "current_idempotency",

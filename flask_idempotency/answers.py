@@ -17,6 +17,7 @@ from flask import Response, current_app
 from . import signals
 from .config import RouteSettings
 from .errors import FingerprintMismatch, OutcomeUnknown, ProblemError, RequestInProgress
+from .keys import tenant_tag
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
 logger = logging.getLogger("flask_idempotency")
@@ -82,9 +83,9 @@ def answer(
     row = ANSWERS[outcome.decision]
     logger.log(
         row.level,
-        "decision=%s tenant=%r key=%r attempt=%d",
+        "decision=%s tenant=%s key=%r attempt=%d",
         outcome.decision.value,
-        tenant,
+        tenant_tag(tenant),
         key,
         outcome.attempt,
     )

@@ -19,17 +19,31 @@ from .errors import StoreError
 from .loop import run_every
 from .maintenance import Maintenance
 from .model import KeyStatus, StoredResponse
+from .pool import probe
+from .postgres import PostgresStore
 from .state import get_state
 
 
+def _store() -> PostgresStore:
+    """The app's store, once its database answered a connection: else one line with
+    the cause (refused, no such database, authentication failed) and exit 1."""
+    store = get_state().store
+    try:
+        probe(store.settings)
+    except StoreError as exc:
+        raise click.ClickException(f"cannot connect to the idempotency database: {exc}") from exc
+    return store
+
+
 def _maintenance() -> Maintenance:
+    _store()
     return get_state().maintenance
 
 
 @click.command("idempotency-init", help="Create the idempotency table and its indexes if missing.")
 @with_appcontext
 def init_command() -> None:
-    store = get_state().store
+    store = _store()
     try:
         with store.pool.connection() as conn:
             created = store.schema.create(conn)

@@ -11,10 +11,14 @@ fields. A new setting is one new field.
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
+
+from psycopg import ProgrammingError
+from psycopg.conninfo import conninfo_to_dict
 
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
 
@@ -38,6 +42,10 @@ DEFAULT_EXCLUDED_HEADERS = (
     "date",
 )
 
+#: The longest duration a setting may have: ``now() + ttl`` must stay a timestamp
+#: PostgreSQL can store, and a value beyond it is a mistake, not a policy.
+MAX_SECONDS = 100 * 365.25 * 24 * 3600
+
 #: ``convert(value, config_key)``: the setting's value in the type the code uses
 Converter = Callable[[Any, str], Any]
 E = TypeVar("E", bound=ProblemError)
@@ -57,10 +65,25 @@ def _str(value: Any, key: str) -> str:
     return value
 
 
-def _optional_str(value: Any, key: str) -> str | None:
+def _conninfo(value: Any, key: str) -> str | None:
+    """A libpq URL or conninfo string, parsed now (no connection is made) so that a
+    typo fails at start-up rather than as a 503 on every request."""
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{key} must be a libpq URL or conninfo string.")
-    return value or None
+    if not value:
+        return None
+    if "\x00" in value:  # libpq reads a C string: it would stop there, silently
+        raise ConfigError(f"{key} holds a NUL character.")
+    try:
+        params = conninfo_to_dict(value)
+    except ProgrammingError as exc:
+        # libpq's reason, not the value: it may hold a password.
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"{key} is not a valid libpq URL or conninfo string: {reason}") from None
+    ports = str(params.get("port") or "").split(",")
+    if not all(p == "" or (p.isdigit() and 0 < int(p) < 65536) for p in ports):
+        raise ConfigError(f"{key} has an invalid port: {params['port']!r}.")
+    return value
 
 
 def _header_name(value: Any, key: str) -> str:
@@ -98,16 +121,25 @@ def _seconds(value: Any, key: str) -> float:
             value = float(value)
         except ValueError:
             raise ConfigError(f"{key} must be seconds or a timedelta, got {value!r}.") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"{key} must be seconds (>= 0) or a timedelta, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be seconds or a timedelta, got {value!r}.")
+    # NaN compares false with everything: test what a value is, not what it is not.
+    if not (0 <= value <= MAX_SECONDS):
+        raise ConfigError(
+            f"{key} must be between 0 and {MAX_SECONDS:.0f} seconds (100 years), got {value!r}."
+        )
     return float(value)
 
 
-def _duration(value: Any, key: str) -> timedelta:
+def _positive_seconds(value: Any, key: str) -> float:
     seconds = _seconds(value, key)
-    if seconds <= 0 or math.isnan(seconds):
+    if seconds <= 0:
         raise ConfigError(f"{key} must be positive, got {value!r}.")
-    return timedelta(seconds=seconds)
+    return seconds
+
+
+def _duration(value: Any, key: str) -> timedelta:
+    return timedelta(seconds=_positive_seconds(value, key))
 
 
 def _choice(*choices: str) -> Converter:
@@ -173,11 +205,21 @@ class RouteSettings:
     replay_header: str = option("Idempotent-Replayed", _header_name)
     max_request_bytes: int = option(1024 * 1024, _int_at_least(0))
     max_response_bytes: int = option(1024 * 1024, _int_at_least(0))
-    excluded_headers: frozenset[str] = option(DEFAULT_EXCLUDED_HEADERS, _header_names)
+    #: response headers never stored, added to :data:`DEFAULT_EXCLUDED_HEADERS`
+    excluded_headers: frozenset[str] = option((), _header_names)
+    #: True: ``excluded_headers`` replaces the default list instead of adding to it
+    replace_excluded_headers: bool = option(False, _bool)
     error_format: str = option("problem", _choice("problem", "stripe"))
     #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
     in_progress_status: int = option(409, _in_progress_status)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
+
+    @functools.cached_property
+    def unstored_headers(self) -> frozenset[str]:
+        """The response headers (lower case) that are never stored nor replayed."""
+        if self.replace_excluded_headers:
+            return self.excluded_headers
+        return self.excluded_headers | frozenset(DEFAULT_EXCLUDED_HEADERS)
 
     def override(self, options: Mapping[str, Any]) -> RouteSettings:
         """Return a copy with a route's already validated options applied."""
@@ -197,12 +239,15 @@ class RouteSettings:
 class Settings:
     """Everything the extension reads from ``app.config``, converted and validated."""
 
-    database_url: str | None = option(None, _optional_str)
+    database_url: str | None = option(None, _conninfo)
     #: where waiting requests LISTEN; PgBouncer's transaction mode cannot carry LISTEN
-    listen_database_url: str | None = option(None, _optional_str)
+    listen_database_url: str | None = option(None, _conninfo)
     pool_min_size: int = option(1, _int_at_least(0))
     pool_max_size: int = option(4, _int_at_least(1))
     pool_timeout: float = option(5.0, _seconds)
+    #: the longest the database may take to answer one of the extension's statements,
+    #: measured on the client (a silent network, a hung pooler); then 503
+    statement_timeout: float = option(5.0, _positive_seconds)
     #: how long the pool keeps retrying a failed connection in the background before
     #: it gives up and lets the next request try afresh (psycopg_pool's reconnect_timeout)
     pool_reconnect_timeout: float = option(10.0, _seconds)
@@ -251,6 +296,17 @@ def convert_option(name: str, value: Any) -> Any:
             + ", ".join(sorted(ROUTE_OPTIONS))
         )
     return field.metadata["convert"](value, config_key(name))
+
+
+def unknown_keys(config: Mapping[str, Any]) -> list[str]:
+    """``IDEMPOTENCY_*`` keys of *config* that are no setting, each with the setting
+    it probably means (``IDEMPOTENCY_REQUIERD`` → ``IDEMPOTENCY_REQUIRED``)."""
+    found = []
+    for name in sorted(k for k in config if isinstance(k, str) and k.startswith(PREFIX)):
+        if name not in DEFAULTS:
+            close = difflib.get_close_matches(name, DEFAULTS, n=1)
+            found.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return found
 
 
 def load_settings(config: Mapping[str, Any], *, pool_given: bool = False) -> Settings:

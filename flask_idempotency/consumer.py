@@ -28,7 +28,7 @@ from .errors import (
     RequestInProgress,
     StoreError,
 )
-from .keys import parse_key
+from .keys import parse_key, tenant_tag
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 from .state import IdempotencyState
 
@@ -168,9 +168,9 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
     level = logging.DEBUG if owned else logging.WARNING
     logger.log(
         level,
-        "decision=%s consumer tenant=%r key=%r attempt=%d",
+        "decision=%s consumer tenant=%s key=%r attempt=%d",
         status.value if owned else "fenced",
-        claim.tenant,
+        tenant_tag(claim.tenant),
         claim.key,
         claim.attempt,
     )
@@ -194,9 +194,9 @@ def _announce(tenant: str, key: str, outcome: ClaimOutcome) -> None:
     for signal, extra in decision_signals(outcome, waited=0.0):
         signal.send(app, tenant=tenant, key=key, claim_seconds=0.0, **extra)
     logger.debug(
-        "decision=%s consumer tenant=%r key=%r attempt=%d",
+        "decision=%s consumer tenant=%s key=%r attempt=%d",
         outcome.decision.value,
-        tenant,
+        tenant_tag(tenant),
         key,
         outcome.attempt,
     )

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from .jobs import Job
+from .keys import tenant_tag
 from .postgres import PostgresStore
 from .queries import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
 
@@ -81,7 +82,7 @@ class Dispatcher:
         report = BatchReport()
         store = self.store
         with store.connection() as conn, conn.transaction():
-            rows = conn.execute(store.render(DUE_JOBS), {"limit": limit}).fetchall()
+            rows = conn.execute(store.render(DUE_JOBS), {"limit": limit}, prepare=False).fetchall()
             done: list[str] = []
             for row in rows:
                 job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
@@ -92,9 +93,9 @@ class Dispatcher:
                     report.undispatched.append(undispatched)
             report.dispatched = len(done)
             if done:
-                conn.execute(store.render(DELETE_JOBS), {"ids": done})
+                conn.execute(store.render(DELETE_JOBS), {"ids": done}, prepare=False)
             if report.undispatched:
-                conn.execute(store.render(FAIL_JOBS), self._failure_params(report))
+                conn.execute(store.render(FAIL_JOBS), self._failure_params(report), prepare=False)
         return report
 
     def _hand_over(self, job: Job) -> Undispatched | None:
@@ -102,10 +103,10 @@ class Dispatcher:
         knows = getattr(self.dispatch, "knows", None)
         if knows is not None and not knows(job.name):
             logger.error(
-                "job=%s name=%r tenant=%r key=%r: no dispatcher knows this job name; kept",
+                "job=%s name=%r tenant=%s key=%r: no dispatcher knows this job name; kept",
                 job.id,
                 job.name,
-                job.tenant,
+                tenant_tag(job.tenant),
                 job.key,
             )
             return Undispatched(job, f"no dispatcher knows the job name {job.name!r}", False)

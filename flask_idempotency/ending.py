@@ -14,6 +14,7 @@ import inspect
 import logging
 from typing import Any
 
+import psycopg
 from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 
@@ -21,7 +22,9 @@ from . import signals
 from .claim import ClaimedKey, peek_claim, pop_claim
 from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
 from .jobs import StagedJob
+from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
+from .pool import is_outage
 from .postgres import PinnedConnection
 from .state import get_state
 
@@ -84,9 +87,11 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
     ending = ending_of(claim, response)
     if claim.pinned is not None:
+        lost = _connection_lost(claim)
         committed = _end_transaction(claim, ending)
-        if ending.stored is not None and not committed:
-            # Nothing committed: the client must not be told the work was done.
+        if (ending.stored is not None and not committed) or lost:
+            # Nothing committed: the client must not be told the work was done, nor
+            # get a bare 500 for a database that went away under the view.
             return _problem_response(
                 claim.settings.problem(
                     StoreUnavailable,
@@ -99,6 +104,16 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
     if ending.refusal is not None:
         return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
     return response
+
+
+def _connection_lost(claim: ClaimedKey) -> bool:
+    """The pinned connection of a transactional view died under it (the view saw the
+    driver's error, or the connection is closed): its work cannot have committed."""
+    assert claim.pinned is not None
+    exception = claim.exception
+    if exception is not None and isinstance(exception, psycopg.Error) and is_outage(exception):
+        return True
+    return claim.pinned.conn.closed or claim.pinned.conn.broken
 
 
 # -- computing the ending --------------------------------------------------------------
@@ -129,16 +144,16 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
             refusal="The view returned a streamed response, which cannot be stored for"
             f" replay{nothing}. Idempotent views must return a complete body.",
         )
-    body = response.get_data()
-    if len(body) > settings.max_response_bytes:
+    body = _body_within(response, settings.max_response_bytes)
+    if body is None:
         return Ending(
             KeyStatus.UNKNOWN,
-            f"response of {len(body)} bytes",
+            f"response of more than {settings.max_response_bytes} bytes",
             refusal="The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
             f" ({settings.max_response_bytes}){nothing}.",
         )
     headers = [
-        (n, v) for n, v in response.headers.items() if n.lower() not in settings.excluded_headers
+        (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
     # A view that raised stages nothing, even when its 500 is stored (SPEC §10).
     jobs = tuple(claim.jobs) if exception is None else ()
@@ -153,6 +168,25 @@ def _truly_streamed(response: Response) -> bool:
     return response.is_streamed and (
         response.direct_passthrough or inspect.isgenerator(response.response)
     )
+
+
+def _body_within(response: Response, limit: int) -> bytes | None:
+    """The response's body, or ``None`` if it is longer than *limit* bytes. An
+    iterable body is read only up to the limit: it may be endless."""
+    if not response.is_streamed:
+        body = response.get_data()
+        return body if len(body) <= limit else None
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_encoded():
+        size += len(chunk)
+        if size > limit:
+            response.close()  # the client gets the refusal; release what the body holds
+            return None
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    response.set_data(body)
+    return body
 
 
 # -- applying it -----------------------------------------------------------------------
@@ -262,7 +296,7 @@ def _report_store_failure(claim: ClaimedKey, exc: StoreError) -> None:
 
 
 def _fields(claim: ClaimedKey) -> str:
-    return f"tenant={claim.tenant!r} key={claim.key!r} attempt={claim.attempt!r}"
+    return f"tenant={tenant_tag(claim.tenant)} key={claim.key!r} attempt={claim.attempt!r}"
 
 
 def _problem_response(error: ProblemError) -> Response:

@@ -36,6 +36,12 @@ class ConfigError(IdempotencyError, ValueError):
 class StoreError(IdempotencyError):
     """The store (PostgreSQL) could not be reached or failed; wraps the driver's error."""
 
+    def __init__(self, message: str, *, outage: bool = True) -> None:
+        super().__init__(message)
+        #: True: the database could not be reached or could not serve now (a retry
+        #: may succeed); False: it refused the statement (a retry will not help)
+        self.outage = outage
+
 
 class AttemptSuperseded(IdempotencyError):
     """This attempt no longer owns its key: its lease ran out and another attempt took
@@ -120,6 +126,16 @@ class InvalidKey(ProblemError, BadRequest):
     stripe_type = "invalid_request_error"
 
 
+class InvalidTenant(ProblemError, BadRequest):
+    """The tenant named by the app's tenant loader cannot name a key space (too long,
+    or holding a control character or a lone surrogate)."""
+
+    slug = "tenant-invalid"
+    title = "Tenant invalid"
+    should_retry = False
+    stripe_type = "invalid_request_error"
+
+
 class FingerprintMismatch(ProblemError, UnprocessableEntity):
     """The key was first used for a different request (another body or endpoint)."""
 
@@ -152,6 +168,16 @@ class StoreUnavailable(ProblemError, ServiceUnavailable):
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
     should_retry = True
+    stripe_type = "api_error"
+
+
+class StoreRefused(ProblemError, InternalServerError):
+    """The idempotency store refused the claim for a reason other than an outage (a
+    missing table, a permission); the view did not run."""
+
+    slug = "store-refused"
+    title = "Idempotency store refused the request"
+    should_retry = False
     stripe_type = "api_error"
 
 

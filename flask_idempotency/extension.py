@@ -8,17 +8,20 @@ decide, answer), runs the view, and :mod:`.ending` ends the attempt in
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, overload
 
 from flask import Flask, current_app, got_request_exception
 from psycopg_pool import ConnectionPool
+from werkzeug.routing import Rule
 
 from .cli import COMMANDS
-from .config import DEFAULTS, convert_option, load_settings
+from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
 from .dispatch import DispatchFunction
 from .ending import after_request, record_exception, teardown_request
+from .errors import ConfigError
 from .handler import begin
 from .postgres import PostgresStore
 from .state import EXTENSION_NAME, IdempotencyState, get_state
@@ -27,6 +30,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 D = TypeVar("D", bound="DispatchFunction")
+
+logger = logging.getLogger("flask_idempotency")
+
+#: RFC 9110 §9.2.1: a client may repeat these freely, so a key means nothing on them
+#: (and storing their answers for a day would serve stale reads)
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+#: set on every view ``idempotent()`` wraps, so that its routes can be checked
+_MARK = "_flask_idempotency_view"
 
 
 class Idempotency:
@@ -60,9 +71,13 @@ class Idempotency:
                 " init_app(app) once per app (create one Idempotency() per app factory"
                 " call, or reuse the one you have)."
             )
+        unknown = unknown_keys(app.config)
+        if unknown:
+            logger.warning("unknown settings ignored: %s", ", ".join(unknown))
         for name, value in DEFAULTS.items():
             app.config.setdefault(name, value)
         settings = load_settings(app.config, pool_given=pool is not None)
+        _refuse_safe_methods(app)
         app.extensions[EXTENSION_NAME] = IdempotencyState(
             self, settings, PostgresStore(settings, pool)
         )
@@ -76,7 +91,10 @@ class Idempotency:
         """Register the function that names the tenant of the current request.
 
         Keys live in the scope of their tenant: the same key sent by two tenants
-        is two unrelated keys. Without a loader every request has tenant ``""``.
+        is two unrelated keys. Without a loader every request has tenant ``""``:
+        every client shares one key space and can read another's stored response by
+        guessing its key (a warning says so once per app and process). Register
+        ``lambda: ""`` to say that this is what you want.
         """
         self._tenant_loader = loader
         return loader
@@ -111,12 +129,21 @@ class Idempotency:
             @functools.wraps(view)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 state = get_state()
+                if self._tenant_loader is None and not state.warned_shared_keys:
+                    state.warned_shared_keys = True
+                    logger.warning(
+                        "no tenant_loader is registered: all clients share one key space,"
+                        " and a client that guesses another's key gets that client's stored"
+                        " response; register @idempotency.tenant_loader (lambda: '' if"
+                        " that is intended)"
+                    )
                 settings = state.route_settings(overrides)
                 early = begin(state, settings, transactional, self._tenant_loader)
                 if early is not None:
                     return early  # type: ignore[return-value]
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
 
+            setattr(wrapper, _MARK, True)
             return wrapper
 
         return decorator(view) if view is not None else decorator
@@ -149,3 +176,36 @@ class Idempotency:
         :raises StoreError: the store failed; nothing ran.
         """
         return run_once(get_state(), key, fn, args, kwargs, tenant)
+
+
+def _refuse_safe_methods(app: Flask) -> None:
+    """Check the routes registered so far, and every route registered from now on,
+    for idempotent views on safe methods."""
+    for rule in app.url_map.iter_rules():
+        _check_rule(app, rule)
+    register = app.add_url_rule
+
+    @functools.wraps(register)
+    def add_url_rule(rule: str, endpoint: str | None = None, *args: Any, **kwargs: Any) -> None:
+        register(rule, endpoint, *args, **kwargs)
+        for added in app.url_map.iter_rules():
+            if added.rule == rule:
+                _check_rule(app, added)
+
+    app.add_url_rule = add_url_rule  # type: ignore[method-assign]
+
+
+def _check_rule(app: Flask, rule: Rule) -> None:
+    if not getattr(app.view_functions.get(rule.endpoint), _MARK, False):
+        return
+    methods = set(rule.methods or ())
+    if getattr(rule, "provide_automatic_options", False):
+        methods.discard("OPTIONS")  # Flask answers these itself; the view never runs
+    safe = sorted(methods & SAFE_METHODS)
+    if safe:
+        raise ConfigError(
+            f"@idempotency.idempotent on route {rule.rule!r} (endpoint {rule.endpoint!r})"
+            f" which accepts {', '.join(safe)}: safe methods may be repeated freely and"
+            " need no key. Register the idempotent view for POST, PUT, PATCH or DELETE"
+            " only (a separate view for the reads)."
+        )

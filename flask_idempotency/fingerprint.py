@@ -15,8 +15,12 @@ def fingerprint(method: str, path_with_query: str, mimetype: str, body: bytes) -
     """SHA-256 over the method, the path with its query, and the body.
 
     A JSON body is canonicalised (RFC 8785) so key order and whitespace do not
-    matter; a form body is compared as a sorted list of fields; any other body, and
-    a JSON or form body that does not parse, is taken byte for byte.
+    matter (numbers are compared as IEEE doubles, as RFC 8785 says: ``0.1`` and
+    ``0.10000000000000001`` are one number); a form body is compared as its fields
+    ordered by name, the values of a repeated field in the order sent; any other
+    body (multipart among them), and a JSON or form body that does not parse, is
+    taken byte for byte. The query string is taken byte for byte too: ``?a=1&b=2``
+    and ``?b=2&a=1`` are different requests.
     """
     digest = hashlib.sha256()
     for part in (method.upper().encode(), path_with_query.encode(), canonical_body(mimetype, body)):
@@ -36,9 +40,20 @@ def canonical_body(mimetype: str, body: bytes) -> bytes:
         except (ValueError, RecursionError):
             return b"raw:" + body
     if mimetype == FORM:
+        # Latin-1 maps each byte to one character and back, so no two different
+        # percent-escapes (%E9, %E8) collapse into one replacement character.
         try:
-            fields = parse_qsl(body.decode(), keep_blank_values=True, strict_parsing=True)
-        except (ValueError, UnicodeDecodeError):
+            fields = parse_qsl(
+                body.decode("latin-1"),
+                keep_blank_values=True,
+                strict_parsing=True,
+                encoding="latin-1",
+                errors="strict",
+            )
+        except ValueError:
             return b"raw:" + body
-        return b"form:" + urlencode(sorted(fields)).encode()
+        # Fields are ordered by name only (a stable sort): the values of a repeated
+        # field keep their order, which the view sees (a=100&a=1 is not a=1&a=100).
+        fields.sort(key=lambda field: field[0])
+        return b"form:" + urlencode(fields, encoding="latin-1").encode("latin-1")
     return b"raw:" + body

@@ -16,14 +16,22 @@ import time
 from collections.abc import Callable
 
 from flask import Response, current_app, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import signals
 from .answers import answer
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
-from .errors import MissingKey, ProblemError, RequestTooLarge, StoreError, StoreUnavailable
+from .errors import (
+    MissingKey,
+    ProblemError,
+    RequestTooLarge,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
 from .fingerprint import fingerprint
-from .keys import lock_id, parse_key
+from .keys import check_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .postgres import PinnedConnection
 from .state import IdempotencyState
@@ -113,30 +121,41 @@ def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Ide
     except ProblemError as exc:
         raise settings.problem(type(exc), exc.detail) from None
     body = _request_body(settings)
-    tenant = _tenant(tenant_loader)
+    tenant = _tenant(settings, tenant_loader)
     path = request.path
     if request.query_string:
         path += "?" + request.query_string.decode("latin-1")
     return Identity(tenant, key, fingerprint(request.method, path, request.mimetype, body))
 
 
-def _tenant(loader: TenantLoader | None) -> str:
+def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:
     if loader is None:
         return ""
     tenant = loader()
     if not isinstance(tenant, str):
         raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
-    return tenant
+    try:
+        return check_tenant(tenant)
+    except ProblemError as exc:
+        raise settings.problem(type(exc), exc.detail) from None
 
 
 def _request_body(settings: RouteSettings) -> bytes:
+    """The request's body, read up to the route's limit and no further: a chunked
+    body that goes on (and on) gets its 413 as soon as it passes the limit."""
+    app_limit = request.max_content_length
     limit = settings.max_request_bytes
-    length = request.content_length
-    if length is None or length <= limit:
+    limit = limit if app_limit is None else min(limit, app_limit)
+    # werkzeug stops reading a stream at the limit without a word: one byte more
+    # tells a body of exactly the limit from a longer one, cut short.
+    request.max_content_length = limit + 1
+    try:
         # The body stays cached on the request, so the view can still read it.
         body = request.get_data(cache=True)
-        if len(body) <= limit:
-            return body
+    except RequestEntityTooLarge:
+        body = None
+    if body is not None and len(body) <= limit:
+        return body
     raise settings.problem(
         RequestTooLarge,
         f"The request body exceeds {limit} bytes, the most an idempotent request may send.",
@@ -205,22 +224,33 @@ def _store_unavailable(
     transactional: bool,
     exc: StoreError,
 ) -> None:
-    """Fail open (run the view unprotected) when allowed, else raise the 503."""
+    """Fail open (run the view unprotected) when allowed, else raise the 503.
+
+    Only an outage (no connection, no answer) may fail open: a store that refused
+    the statement would refuse it again, and a fail-open view would run on every
+    retry.
+    """
     tenant, key = identity.tenant, identity.key
-    fail_open = settings.fail_open and not transactional
+    fail_open = settings.fail_open and not transactional and exc.outage
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.store_unavailable.send(app, tenant=tenant, key=key, error=exc, fail_open=fail_open)
     if fail_open:
         logger.warning(
-            "decision=fail_open tenant=%r key=%r error=%s: running the view unprotected",
-            tenant,
+            "decision=fail_open tenant=%s key=%r error=%s: running the view unprotected",
+            tenant_tag(tenant),
             key,
             exc,
         )
         outcome = ClaimOutcome(Decision.CLAIMED, attempt=1)
         set_claim(ClaimedKey(tenant, key, outcome, settings, state.store, protected=False))
         return
-    logger.error("decision=store_unavailable tenant=%r key=%r error=%s", tenant, key, exc)
+    decision = "store_unavailable" if exc.outage else "store_refused"
+    logger.error("decision=%s tenant=%s key=%r error=%s", decision, tenant_tag(tenant), key, exc)
+    if not exc.outage:
+        raise settings.problem(
+            StoreRefused,
+            "The idempotency store refused this request; it was not processed.",
+        ) from exc
     raise settings.problem(
         StoreUnavailable,
         "The idempotency store is unavailable; the request was not processed. Retry later.",

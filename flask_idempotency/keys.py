@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
 import xxhash
 from http_sfv.item import Item
 
-from .errors import InvalidKey
+from .errors import InvalidKey, InvalidTenant
 
 MAX_KEY_LENGTH = 255
 _VISIBLE_ASCII = re.compile(r"[!-~]+")
+#: a tenant is stored in the table's primary key: it must fit an index row with room
+#: to spare, and be text PostgreSQL accepts
+MAX_TENANT_LENGTH = 255
+#: control characters (NUL among them: PostgreSQL text cannot hold it) and the halves
+#: of surrogate pairs (a lone one is no character and cannot be encoded)
+_NOT_IN_TENANT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def parse_key(values: Sequence[str], header: str) -> str:
@@ -53,6 +60,27 @@ def _unquote(raw: str, header: str) -> str:
     if not isinstance(item.value, str) or item.params:
         raise InvalidKey(f"{header} must be a plain sf-string without parameters.")
     return item.value
+
+
+def check_tenant(tenant: str) -> str:
+    """Return *tenant* if it can name a key space.
+
+    :raises InvalidTenant: longer than 255 characters, or holding a control character
+        or a lone surrogate (from a path segment or a JSON body, say).
+    """
+    if len(tenant) > MAX_TENANT_LENGTH or _NOT_IN_TENANT.search(tenant):
+        raise InvalidTenant(
+            f"The request's tenant must be at most {MAX_TENANT_LENGTH} characters, without"
+            " control characters or unpaired surrogates."
+        )
+    return tenant
+
+
+def tenant_tag(tenant: str) -> str:
+    """How logs name *tenant*: ``-`` for the empty tenant, else the first 12 hex
+    digits of its SHA-256, so that a log line does not carry an account name or an
+    e-mail address yet a tenant's lines can still be found."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:12] if tenant else "-"
 
 
 def lock_id(tenant: str, key: str) -> int:

@@ -1,7 +1,8 @@
 """The operators' statements: cleaning, listing, showing and resolving keys.
 
 Never on the request path; each method is one short transaction on a pooled
-connection of the app's :class:`~.postgres.PostgresStore`.
+connection of the app's :class:`~.postgres.PostgresStore`, unprepared (each runs
+rarely, and a transaction pooler may be in between).
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ class Maintenance:
         }
         with self.store.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.store.render(LIST_KEYS), params).fetchall()
+            return cur.execute(self.store.render(LIST_KEYS), params, prepare=False).fetchall()
 
     def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
         """Everything stored for one key, or None."""
         with self.store.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(
-                self.store.render(SHOW_KEY), {"tenant": tenant, "key": key}
+                self.store.render(SHOW_KEY), {"tenant": tenant, "key": key}, prepare=False
             ).fetchone()
 
     def resolve(
@@ -107,15 +108,15 @@ class Maintenance:
     def count_stuck(self) -> tuple[int, int]:
         """Claims whose lease ran out, and keys in ``unknown``."""
         with self.store.connection() as conn:
-            row = conn.execute(self.store.render(COUNT_STUCK)).fetchone()
+            row = conn.execute(self.store.render(COUNT_STUCK), prepare=False).fetchone()
         assert row is not None
         return int(row[0]), int(row[1])
 
     def _rowcount(self, query: str, params: dict[str, Any]) -> int:
         with self.store.connection() as conn:
-            return conn.execute(self.store.render(query), params).rowcount
+            return conn.execute(self.store.render(query), params, prepare=False).rowcount
 
     def _count(self, query: str, params: dict[str, Any]) -> int:
         with self.store.connection() as conn:
-            row = conn.execute(self.store.render(query), params).fetchone()
+            row = conn.execute(self.store.render(query), params, prepare=False).fetchone()
         return int(row[0]) if row else 0

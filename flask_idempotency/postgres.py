@@ -20,29 +20,29 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 from psycopg.pq import TransactionStatus
-from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from .config import RouteSettings, Settings
 from .errors import AttemptSuperseded, StoreError
 from .jobs import StagedJob, stage_params
 from .keys import lock_id
-from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
+from .model import ClaimOutcome, KeyStatus, StoredResponse
+from .pool import (
+    bounded,
+    is_prepared_statement_failure,
+    open_pool,
+    store_errors,
+    warn_unprepared,
+)
 from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
+from .rows import claim_outcome, response_params
 from .schema import Schema
 
+__all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
+
 logger = logging.getLogger("flask_idempotency")
-
-
-@contextmanager
-def store_errors() -> Iterator[None]:
-    """Turn the driver's errors (a pool timeout included) into :class:`StoreError`."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise StoreError(f"{type(exc).__name__}: {exc}".strip()) from exc
 
 
 @dataclasses.dataclass
@@ -69,6 +69,9 @@ class PostgresStore:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid = 0
         self._schema_ready = False
+        #: ``prepare=`` of every statement: None (prepared, per the connection's
+        #: threshold) until a transaction pooler loses one, then False (never)
+        self._prepare: bool | None = None if settings.prepared_statements else False
         self._lock = threading.Lock()
         #: the table's schema objects (create, check, upgrade)
         self.schema = Schema(settings.table, settings.jobs_table)
@@ -114,32 +117,11 @@ class PostgresStore:
             return pool
         with self._lock:
             if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = self._open_pool()
+                self._pool = open_pool(self.settings)
+                atexit.register(_close_in_owner, self._pool, os.getpid())
                 self._pool_pid = os.getpid()
                 self._schema_ready = False
             return self._pool
-
-    def _open_pool(self) -> ConnectionPool[Any]:
-        settings = self.settings
-        pool: ConnectionPool[Any] = ConnectionPool(
-            settings.database_url or "",
-            min_size=settings.pool_min_size,
-            max_size=settings.pool_max_size,
-            timeout=settings.pool_timeout,
-            # psycopg_pool's default (5 min of doubling back-offs) keeps a worker
-            # answering 503 long after PostgreSQL is back; give up sooner and retry afresh.
-            reconnect_timeout=settings.pool_reconnect_timeout,
-            kwargs={
-                "autocommit": True,
-                # 0: prepare every statement at once; None: never (PgBouncer < 1.21)
-                "prepare_threshold": 0 if settings.prepared_statements else None,
-            },
-            name="flask-idempotency",
-            open=False,
-        )
-        pool.open(wait=False)
-        atexit.register(_close_in_owner, pool, os.getpid())
-        return pool
 
     def _checkout(self) -> psycopg.Connection[Any]:
         """A connection from the pool, once the schema is there; StoreError if none comes."""
@@ -148,6 +130,8 @@ class PostgresStore:
             self._ensure_schema(pool)
         with store_errors():
             conn: psycopg.Connection[Any] = pool.getconn()
+        if self._prepare is False and self._given_pool is None:
+            conn.prepare_threshold = None  # the view's statements too, when it gets conn
         return conn
 
     @contextmanager
@@ -178,8 +162,26 @@ class PostgresStore:
             if self._schema_ready:
                 return
             with store_errors(), pool.connection() as conn:
-                self.schema.create(conn)
+                with bounded(conn, self.settings.statement_timeout):
+                    self.schema.create(conn)
             self._schema_ready = True
+
+    def _recoverable(self, exc: BaseException | None) -> bool:
+        """True if the statement that failed with *exc* never ran and can run again:
+        a prepared statement a transaction pooler lost (the store switches to
+        unprepared statements), or a table dropped under a running app (the store
+        creates it again, with ``IDEMPOTENCY_CREATE_TABLE``)."""
+        if exc is not None and is_prepared_statement_failure(exc):
+            with self._lock:  # twins fail together: one switches, and says so once
+                switch, self._prepare = self._prepare is None, False
+            if switch:
+                warn_unprepared(exc)
+            return True
+        if isinstance(exc, errors.UndefinedTable) and self.settings.create_table:
+            logger.warning("table %s is missing: creating it again", self.schema.name)
+            self._schema_ready = False
+            return True
+        return False
 
     # -- the request path ----------------------------------------------------------
 
@@ -208,13 +210,23 @@ class PostgresStore:
         }
         _, row = self._run(self._claim, params, pinned, fetch=True)
         assert row is not None
-        return _claim_outcome(row, fingerprint)
+        return claim_outcome(row, fingerprint)
 
     def claim_pinned(
         self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings
     ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         """Claim on a connection pinned for a transactional view; the connection is
         returned only when this request owns the key (else it goes back at once)."""
+        try:
+            return self._claim_pinned(tenant, key, fingerprint, terms)
+        except StoreError as exc:
+            if not self._recoverable(exc.__cause__):
+                raise
+        return self._claim_pinned(tenant, key, fingerprint, terms)
+
+    def _claim_pinned(
+        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings
+    ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         pinned = self.pin()
         try:
             outcome = self.claim(tenant, key, fingerprint, terms, pinned)
@@ -272,10 +284,22 @@ class PostgresStore:
         fetch: bool = False,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and,
-        with *fetch*, its first row."""
+        with *fetch*, its first row. A statement that failed without running runs once
+        more."""
+        try:
+            return self._execute(query, params, pinned, fetch)
+        except StoreError as exc:
+            if pinned is not None or not self._recoverable(exc.__cause__):
+                raise
+        return self._execute(query, params, None, fetch)
+
+    def _execute(
+        self, query: str, params: dict[str, Any], pinned: PinnedConnection | None, fetch: bool
+    ) -> tuple[int, tuple[Any, ...] | None]:
         with self._connection_for(pinned) as conn:
-            cur = conn.execute(query, params)
-            return cur.rowcount, cur.fetchone() if fetch else None
+            with bounded(conn, self.settings.statement_timeout):
+                cur = conn.execute(query, params, prepare=self._prepare)
+                return cur.rowcount, cur.fetchone() if fetch else None
 
     @contextmanager
     def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
@@ -303,7 +327,7 @@ class PostgresStore:
         """
         conn = pinned.conn
         try:
-            with store_errors():
+            with store_errors(), bounded(conn, self.settings.statement_timeout):
                 if commit:
                     conn.commit()
                 else:
@@ -344,7 +368,11 @@ class PostgresStore:
                 }
                 if jobs:
                     params.update(stage_params(jobs))
-                if conn.execute(self._advances[bool(jobs)], params).rowcount != 1:
+                with bounded(conn, self.settings.statement_timeout):
+                    advanced = conn.execute(
+                        self._advances[bool(jobs)], params, prepare=self._prepare
+                    )
+                if advanced.rowcount != 1:
                     raise AttemptSuperseded(
                         f"attempt {outcome.attempt} no longer owns key {key!r} (its lease ran"
                         " out and another attempt took over); the phase was rolled back"
@@ -357,42 +385,6 @@ def _staging(update: str) -> str:
     """*update* (a fenced UPDATE) as one statement that also inserts the staged jobs."""
     returning = "" if "RETURNING" in update else "RETURNING 1"
     return f"WITH ended AS ({update} {returning})" + STAGE_JOBS
-
-
-def response_params(response: StoredResponse | None) -> dict[str, Any]:
-    """The bound parameters that store *response* (all NULL without one)."""
-    return {
-        "response_status": response.status if response else None,
-        "response_headers": Jsonb(response.headers) if response else None,
-        "response_body": response.body if response else None,
-    }
-
-
-def _claim_outcome(row: tuple[Any, ...], fingerprint: bytes) -> ClaimOutcome:
-    """What the claim statement's one row means."""
-    (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
-    decision = Decision(intent)
-    if decision in (Decision.CLAIMED, Decision.TAKEN_OVER):
-        if attempt is None:  # a twin holds the lock, or won the race to the row
-            return ClaimOutcome(Decision.IN_PROGRESS)
-        return ClaimOutcome(
-            decision,
-            fingerprint=fingerprint,
-            attempt=attempt,
-            generation=generation,
-            recovery_point=point,
-            previous_attempt=seen_attempt or 0,
-            previous_status=KeyStatus(seen_status) if seen_status else None,
-        )
-    if decision is Decision.MARKED_UNKNOWN and not marked:
-        return ClaimOutcome(Decision.IN_PROGRESS)
-    if decision is Decision.REPLAY:
-        status, headers, body, expires_in = row[7:11]
-        response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
-        return ClaimOutcome(
-            decision, attempt=seen_attempt, response=response, expires_in=float(expires_in)
-        )
-    return ClaimOutcome(decision, attempt=seen_attempt or 0)
 
 
 def _close_in_owner(pool: ConnectionPool[Any], owner_pid: int) -> None:

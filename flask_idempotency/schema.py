@@ -26,17 +26,18 @@ class Schema:
         parts = table.split(".")
         #: the table, quoted as needed
         self.table = sql.Identifier(*parts)
-        schema, name = (parts[0] + ".", parts[1]) if len(parts) == 2 else ("", parts[0])
+        name = parts[-1]
         self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
         jobs_parts = jobs_table.split(".")
         #: the staged jobs' table (SPEC §10), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
-        jobs_schema = jobs_parts[0] + "." if len(jobs_parts) == 2 else ""
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
+        # to_regclass() parses its argument as SQL would: quote every part, so that a
+        # name that needs quoting ("Keys", "idempotency-keys") is found as created
         self._qualified = (
-            [table]
-            + [schema + i for i in self._index_names]
-            + [jobs_table, jobs_schema + self._jobs_index]
+            [_qualified(parts)]
+            + [_qualified([*parts[:-1], i]) for i in self._index_names]
+            + [_qualified(jobs_parts), _qualified([*jobs_parts[:-1], self._jobs_index])]
         )
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
@@ -51,7 +52,9 @@ class Schema:
             return False
         with conn.transaction():
             # Workers starting together must not race on CREATE TABLE IF NOT EXISTS.
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.name)])
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.name)], prepare=False
+            )
             if self.present(conn):
                 return False
             conn.execute(
@@ -74,5 +77,11 @@ class Schema:
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
         """True if the table and all its indexes exist."""
-        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}).fetchone()
+        # prepare=False: run once per process, and a transaction pooler may be in between
+        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}, prepare=False).fetchone()
         return row is not None and row[0] == len(self._qualified)
+
+
+def _qualified(parts: list[str]) -> str:
+    """``schema.name`` as SQL reads it, every part quoted."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in parts)

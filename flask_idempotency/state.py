@@ -31,6 +31,8 @@ class IdempotencyState:
     extension: Idempotency
     settings: Settings
     store: PostgresStore
+    #: the "no tenant loader" warning was logged (once per app and process)
+    warned_shared_keys: bool = False
     _waiter: CompletionWaiter | None = None
     _waiter_pid: int = 0
     #: each route's settings, merged once: keyed by the id of the route's own

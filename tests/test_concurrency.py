@@ -130,7 +130,9 @@ def test_failure_inside_the_critical_section_leaves_no_lock(app: Flask, db: DB) 
         key = f"fail-{time.monotonic_ns()}"
         for _ in range(3):  # more failures than one connection
             response = post(app.test_client(), "/payments", key)
-            assert response.status_code == 503
+            # the database refused the statement (not an outage): 500, never retried
+            assert response.status_code == 500
+            assert response.get_json()["type"].endswith(":store-refused")
             assert advisory_locks(db) == []
         assert executions(db, key) == 0
     finally:

@@ -76,3 +76,46 @@ def test_through_pgbouncer_waiting_twin_is_woken(bounced_app: Flask, key: str, d
     twin.join(15)
     assert twins and twins[0].status_code == 201  # type: ignore[attr-defined]
     assert executions(db, key) == 1
+
+
+@pytest.fixture
+def default_bounced_app(
+    make_app: Callable[..., Flask], pgbouncer: PgBouncer, database_url: str
+) -> Flask:
+    """Through PgBouncer 1.18 with the defaults: prepared statements on."""
+    return make_app(
+        database_url=pgbouncer.url,
+        IDEMPOTENCY_LISTEN_DATABASE_URL=database_url,
+        IDEMPOTENCY_POOL_MAX_SIZE=32,
+        IDEMPOTENCY_TABLE="bounced_default_keys",
+    )
+
+
+def test_with_default_prepared_statements_the_store_switches_to_unprepared(
+    default_bounced_app: Flask, db: DB, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    app = default_bounced_app
+    with caplog.at_level(logging.WARNING, "flask_idempotency"):
+        for round_ in range(3):
+            key = f"default-prepared-{round_}"
+            results = run_together(40, lambda key=key: post(app.test_client(), "/payments", key))  # type: ignore[misc]
+            statuses = sorted(r.status_code for r in results)
+            print(f"round {round_}: {statuses}")
+            assert set(statuses) <= {201, 409}, [r.data for r in results if r.status_code >= 500]
+            originals = [
+                r
+                for r in results
+                if r.status_code == 201 and "Idempotent-Replayed" not in r.headers
+            ]
+            assert len(originals) == 1
+            assert executions(db, key) == 1
+            for result in (post(app.test_client(), "/payments", key) for _ in range(5)):
+                assert result.headers["Idempotent-Replayed"] == "true"
+                assert result.data == originals[0].data
+        # a transactional view and a phased one run on the same (now unprepared) pool
+        assert post(app.test_client(), "/ledger", "default-prepared-ledger").status_code == 201
+        assert post(app.test_client(), "/phased", "default-prepared-phased").status_code == 201
+    switched = [r for r in caplog.records if "prepared statements fail" in r.getMessage()]
+    assert len(switched) <= 1

@@ -1,0 +1,129 @@
+"""A TCP proxy on 127.0.0.1 that can be told to go silent: a network partition, or a
+pooler that hangs, between the app and its database.
+
+While :meth:`TcpProxy.freeze` is in effect the proxy accepts connections and bytes but
+forwards nothing in either direction, so the peers see a connection that is up and
+says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+
+from pgserver import free_port
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:*port* to *target_host*:*target_port*, one thread per direction."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._stopping = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def to_database(cls, database_url: str) -> TcpProxy:
+        params = conninfo_to_dict(database_url)
+        return cls(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+
+    def url(self, database_url: str) -> str:
+        """*database_url* pointing at this proxy instead."""
+        return make_conninfo(database_url, host="127.0.0.1", port=str(self.port))
+
+    def start(self) -> None:
+        self._spawn(self._accept)
+
+    def freeze(self) -> None:
+        """Stop forwarding: bytes already sent, and new ones, wait in the proxy."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._flowing.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(10)
+        assert not any(t.is_alive() for t in threads)
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            self._spawn(self._pump, client, upstream)
+            self._spawn(self._pump, upstream, client)
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        source.settimeout(0.1)
+        while not self._stopping.is_set():
+            self._flowing.wait()
+            try:
+                data = source.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            # Bytes read just before a freeze are held until the thaw too.
+            while not self._flowing.wait(0.1):
+                if self._stopping.is_set():
+                    return
+            try:
+                sink.sendall(data)
+            except OSError:
+                break
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> TcpProxy:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
