@@ -6,7 +6,9 @@
 * ``POST /handrolled``: the view under the "seed-style" protection people write by hand
   (variant f): on one pooled connection, ``pg_advisory_lock``, ``SELECT`` the row,
   ``INSERT`` a ``processing`` row, ``pg_advisory_unlock``, run the view, then ``UPDATE``
-  the row with the response, each its own statement.
+  the row with the response, each its own statement;
+* ``POST /powertools``: the view under a peer library (variants g and gr, see
+  bench/peers.py), when ``BENCH_REDIS_URL`` names the benchmark's redis-server.
 
 Every view does the same work: parse the small JSON body, record the execution, and
 answer a small JSON document with 201. An execution is recorded as one line (the
@@ -27,6 +29,7 @@ from flask import Flask, Response, request
 from psycopg_pool import ConnectionPool
 
 import flask_idempotency
+from bench import peers
 from flask_idempotency import Idempotency
 
 HANDROLLED_SCHEMA = """
@@ -90,9 +93,13 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
         return {"id": str(uuid.uuid4()), "amount": body.get("amount")}, 201
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        """Which flask_idempotency this process runs (bench/servers.py checks it)."""
-        return {"library": os.path.dirname(flask_idempotency.__file__)}
+    def health() -> dict[str, Any]:
+        """Which flask_idempotency this process runs (bench/servers.py checks it), and
+        which peers it can run."""
+        return {
+            "library": os.path.dirname(flask_idempotency.__file__),
+            "peers": peers.peer_status(app),
+        }
 
     @app.get("/flush-stats")
     def flush_stats() -> dict[str, int]:
@@ -171,4 +178,5 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
             )
             return response
 
+    peers.register(app, work)
     return app

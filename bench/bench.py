@@ -3,8 +3,8 @@
 One run on this machine, against a throwaway *durable* PostgreSQL (``fsync``,
 ``synchronous_commit`` and ``full_page_writes`` on) and gunicorn on 127.0.0.1:
 
-1. throughput and latency of six variants, measured in alternating rounds (a b c d e f,
-   then b c d e f a, ...) and reported as medians, with the CPU each component spent per
+1. throughput and latency of the variants, measured in alternating rounds (a b c d e f
+   g gr, then b c d e f g gr a, ...) and reported as medians, with the CPU each component spent per
    request and the database's commits and WAL flushes per request under load:
 
    a. ``POST /plain``: the view, no idempotency;
@@ -17,7 +17,13 @@ One run on this machine, against a throwaway *durable* PostgreSQL (``fsync``,
       from flask_idempotency/queries.py) with random keys at the same concurrency: the
       database's ceiling for new keys;
    f. ``POST /handrolled``: the hand-rolled "seed-style" protection, a new key per request;
+   g. ``POST /powertools``: the same view under AWS Lambda Powertools' idempotency with
+      its Redis persistence layer, on a redis-server the benchmark starts, a new key per
+      request; gr: the same, replays of one key (bench/peers.py);
+   h. Flask-Idempotent (2015), measured only if it imports (it did not, last time);
 
+   then the latency at low load: one client, one connection, sequential requests, for
+   every variant that sends new keys or replays;
 2. round trips (through a counting TCP proxy), statements (pg_stat_statements), commits
    (pg_stat_database), transaction ids, WAL flushes (pg_stat_io) and WAL bytes per new key
    and per replay, with sequential requests to a one-worker gunicorn;
@@ -47,7 +53,7 @@ import signal
 import sys
 from types import FrameType
 
-from bench.common import BenchError, parse_variants
+from bench.common import BY_NAME, BenchError, parse_variants
 from bench.driver import Bench
 
 
@@ -59,12 +65,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="gunicorn sync workers (default 4)")
     p.add_argument("--threads", type=int, default=2, help="wrk/pgbench threads (default 2)")
     p.add_argument("--connections", type=int, default=32, help="wrk connections (default 32)")
-    p.add_argument("--variants", default="abcdef", help="which variants (default abcdef)")
+    p.add_argument(
+        "--variants",
+        default=",".join(BY_NAME),
+        help=f"which variants: letters (abcf) or names (a,b,gr); default {','.join(BY_NAME)}",
+    )
     p.add_argument("--count-requests", type=int, default=500, help="sequential counted requests")
     p.add_argument("--profile-seconds", type=float, default=10)
     p.add_argument("--inprocess-requests", type=int, default=3000)
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--cpu-profile-rate", type=int, default=500, help="same, in process")
+    p.add_argument("--latency-rounds", type=int, default=2, help="low-load latency rounds")
+    p.add_argument("--latency-seconds", type=float, default=5, help="seconds per variant")
+    p.add_argument(
+        "--redis-appendfsync",
+        default="everysec",
+        choices=("always", "everysec", "no"),
+        help="redis-server's AOF flush for the Powertools variants (default everysec)",
+    )
     p.add_argument("--rss-requests", type=int, default=100_000)
     p.add_argument("--rss-max-seconds", type=float, default=200)
     p.add_argument("--settle", type=float, default=1.2, help="pause before reading statistics")
@@ -88,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rounds, args.seconds, args.warmup = 1, 3, 1
         args.count_requests, args.profile_seconds, args.inprocess_requests = 50, 3, 300
         args.rss_requests, args.rss_max_seconds = 3000, 10
+        args.latency_rounds, args.latency_seconds = 1, 2
     try:
         args.variants = parse_variants(args.variants)
     except ValueError as exc:

@@ -32,6 +32,7 @@ class Variant:
     label: str
     path: str = ""
     mode: str = ""  # bench/wrk.lua's mode; "" for pgbench
+    peer: str = ""  # the peer library it runs (bench/peers.py), "" for ours
 
     @property
     def is_pgbench(self) -> bool:
@@ -45,6 +46,9 @@ VARIANTS = [
     Variant("d", "@idempotent, 10 % duplicate keys", "/idempotent", "mix"),
     Variant("e", "pgbench: the extension's claim + finish SQL"),
     Variant("f", "hand-rolled seed-style, new key", "/handrolled", "new"),
+    Variant("g", "Powertools + Redis, new key per request", "/powertools", "new", "powertools"),
+    Variant("gr", "Powertools + Redis, replay of one key", "/powertools", "replay", "powertools"),
+    Variant("h", "Flask-Idempotent 0.1.0, new key", "/flask-idempotent", "new", "flask_idempotent"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 

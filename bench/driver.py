@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ from bench.common import BY_NAME, ROOT, BenchError, Variant
 from bench.load import Pgbench, run_wrk
 from bench.meter import Meter
 from bench.report import render_report
-from bench.servers import Gunicorn, Postgres, Processes, app_env, start_gunicorn, stop_gunicorn
+from bench.servers import (
+    Gunicorn,
+    Postgres,
+    Processes,
+    Redis,
+    app_env,
+    start_gunicorn,
+    stop_gunicorn,
+)
 from bench.system import library_state, machine, sources_hash
 
 
@@ -42,6 +51,7 @@ class Bench:
         self.processes = Processes(self.workdir / "pids")
         self.db = Postgres(self.workdir / "pgdata", self.processes)
         self.pgbench = Pgbench(self.db, self.processes, self.workdir, self.exec_dir)
+        self.redis: Redis | None = None
         self.gunicorns: list[Gunicorn] = []
         self.main: Gunicorn | None = None
         self.meter = Meter(self.db, self.gunicorns, args.settle, self.poke_main)
@@ -57,7 +67,8 @@ class Bench:
         print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
 
     def app_env(self, database_url: str) -> dict[str, str]:
-        return app_env(database_url, self.exec_dir)
+        extra = {"BENCH_REDIS_URL": self.redis.url} if self.redis is not None else {}
+        return app_env(database_url, self.exec_dir, **extra)
 
     def start_gunicorn(self, name: str, workers: int, database_url: str) -> Gunicorn:
         env = self.app_env(database_url)
@@ -131,9 +142,13 @@ class Bench:
         self.results["settings"]["postgres"] = self.db.start(self.log)
         self.exec_dir.mkdir(exist_ok=True)
         self.db.prepare_app(self.app_env(self.db.url))
+        self.start_redis()
         server = self.main = self.start_gunicorn("main", a.workers, self.db.url)
         self.log(f"gunicorn: {a.workers} sync workers {server.worker_pids} on port {server.port}")
+        self.check_peers(server)
         phases.rounds(self, server)
+        self.log("low-load latency: one client, one connection, sequential requests")
+        phases.latency(self, server)
         self.log("counting round trips, statements, commits and WAL flushes")
         counting.count_round_trips(self)
         worker_profiles = {}
@@ -153,6 +168,36 @@ class Bench:
         self.results["library_at_end"] = library_state(self.repo)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
         self.write_report()
+
+    def start_redis(self) -> None:
+        """redis-server for the peers' variants, if any was asked for."""
+        if not any(BY_NAME[name].peer == "powertools" for name in self.args.variants):
+            return
+        redis = Redis(self.workdir / "redis", self.processes, self.args.redis_appendfsync)
+        try:
+            redis.start()
+        except BenchError as exc:
+            self.log(f"no redis-server, so no Powertools variants: {exc}")
+            return
+        self.redis = redis
+        self.meter.redis_pid = redis.pid
+        self.log(f"{redis.version.split(' sha=')[0]} on port {redis.port}, {redis.settings}")
+
+    def check_peers(self, server: Gunicorn) -> None:
+        """Drop the variants of peers that cannot run here, and say why."""
+        status = server.health.get("peers", {})
+        peers: dict[str, Any] = {}
+        for peer in ("powertools", "flask_idempotent"):
+            wanted = [n for n in self.args.variants if BY_NAME[n].peer == peer]
+            peers[peer] = {"status": status.get(peer, "not probed"), "variants": wanted}
+            peers[peer].update(peer_versions(peer, self.workdir))
+            if peer == "powertools" and self.redis is not None:
+                peers[peer]["redis"] = self.redis.version
+                peers[peer]["redis_settings"] = self.redis.settings
+            if wanted and peers[peer]["status"] != "ready":
+                self.log(f"not measured: {', '.join(wanted)} ({peers[peer]['status']})")
+                self.args.variants = [n for n in self.args.variants if n not in wanted]
+        self.results["peers"] = peers
 
     def write_report(self) -> None:
         report = render_report(self.results)
@@ -174,5 +219,18 @@ class Bench:
                 print(f"stopping gunicorn {server.name}: {exc}", file=sys.stderr)
         if self.db.url or self.db.pid is not None:
             self.db.stop()
+        if self.redis is not None:
+            self.redis.stop()
         if self.own_workdir and not self.args.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def peer_versions(peer: str, workdir: Path) -> dict[str, str]:
+    """The installed version of a peer, or why it is not installed (bench/run's pip log)."""
+    name = {"powertools": "aws-lambda-powertools", "flask_idempotent": "Flask-Idempotent"}[peer]
+    try:
+        return {"package": f"{name} {metadata.version(name)}"}
+    except metadata.PackageNotFoundError:
+        log = workdir / f"install-{name}.log"
+        tail = log.read_text(errors="replace").strip()[-500:] if log.exists() else ""
+        return {"package": f"{name}: not installed", "install_log": tail}

@@ -39,6 +39,8 @@ class Meter:
         self.settle = settle
         self.poke = poke
         self._last: tuple[float, Settled] | None = None
+        #: redis-server, for the peers' variants (None when it does not run)
+        self.redis_pid: int | None = None
 
     def db_snapshot(self) -> dict[str, float]:
         """commits, wal_flushes, wal_bytes, xids (assigned so far) and statements."""
@@ -92,12 +94,14 @@ class Meter:
         if postmaster is not None:  # exited backends are in the postmaster's cutime
             postgres = process_cpu(postmaster, reaped=True)
             postgres += sum(process_cpu(pid) for pid in children(postmaster))
+        redis = process_cpu(self.redis_pid) if self.redis_pid is not None else 0.0
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, pgbench once reaped
         me = resource.getrusage(resource.RUSAGE_SELF)
         busy, interrupts = busy_cpu_seconds()
         return {
             "gunicorn": gunicorn,
             "postgres": postgres,
+            "redis": redis,
             "loadgen": usage.ru_utime + usage.ru_stime,
             "kernel": interrupts + kernel_threads_cpu_seconds(),
             "self": me.ru_utime + me.ru_stime,
@@ -115,7 +119,7 @@ class Meter:
         delta = window(before, self.snapshot())
         n = max(1, result["requests"])
         cpu = {k: (cpu1[k] - cpu0[k]) / n * 1000 for k in cpu0 if k != "time"}
-        known = ("gunicorn", "postgres", "loadgen", "kernel", "self")
+        known = ("gunicorn", "postgres", "redis", "loadgen", "kernel", "self")
         cpu["other"] = cpu["busy"] - sum(cpu[k] for k in known)  # processes not ours
         result["cpu_ms_per_request"] = cpu
         elapsed = cpu1["time"] - cpu0["time"]

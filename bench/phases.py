@@ -1,5 +1,6 @@
 """The measured phases that load the main gunicorn: the alternating rounds of every
-variant, the long new-key run for memory, and the double-execution check."""
+variant, the low-load latency, the long new-key run for memory, and the
+double-execution check."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from bench.common import BY_NAME, median
+from bench.load import run_wrk
 from bench.meter import DB_PER_REQUEST
 from bench.servers import Gunicorn
 from bench.system import rss_kib
@@ -18,7 +20,7 @@ from bench.system import rss_kib
 if TYPE_CHECKING:
     from bench.driver import Bench
 
-CPU_COMPONENTS = ("gunicorn", "postgres", "loadgen", "kernel", "other", "busy")
+CPU_COMPONENTS = ("gunicorn", "postgres", "redis", "loadgen", "kernel", "other", "busy")
 
 
 def rounds(bench: Bench, server: Gunicorn) -> None:
@@ -100,6 +102,55 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def latency(bench: Bench, server: Gunicorn) -> None:
+    """Latency at low load: one wrk client on one connection, each request sent when the
+    last one was answered, for every variant that sends new keys or replays (not the
+    mix, not pgbench); ``--latency-rounds`` rounds of ``--latency-seconds`` each in a
+    rotating order, medians of each round's p50 and p99.
+
+    gunicorn's sync workers close the connection after every response, so wrk connects
+    again before each request; its latency counts from the request's first byte sent to
+    the response's last byte received, without the connect."""
+    a = bench.args
+    names = [n for n in a.variants if BY_NAME[n].mode in ("new", "replay")]
+    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(a.latency_rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            variant = BY_NAME[name]
+            prefix = f"{name}lat{r}x{bench.run_id}"
+            bench.prefixes[name].append(prefix)
+            result = run_wrk(
+                bench.processes,
+                server.port,
+                variant.path,
+                variant.mode,
+                prefix,
+                a.latency_seconds,
+                threads=1,
+                connections=1,
+            )
+            per_round[name].append(result)
+    summary = {
+        name: {
+            "requests": sum(r["requests"] for r in results),
+            "errors": sum(r["errors_total"] for r in results),
+            "p50_ms": median(r["p50_us"] / 1000 for r in results),
+            "p99_ms": median(r["p99_us"] / 1000 for r in results),
+            "mean_ms": median(r["mean_us"] / 1000 for r in results),
+        }
+        for name, results in per_round.items()
+    }
+    bench.results["latency"] = summary
+    bench.results["settings"]["latency"] = (
+        f"wrk -t 1 -c 1 -d {a.latency_seconds:g}s, {a.latency_rounds} rounds, medians"
+    )
+    for name, r in summary.items():
+        bench.log(
+            f"latency {name:2}: p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms"
+            f"  ({r['requests']} requests, {r['errors']} non-2xx)"
+        )
+
+
 def rss_run(bench: Bench, server: Gunicorn) -> None:
     """Per-worker RSS before and after ``--rss-requests`` new keys."""
     a = bench.args
@@ -170,6 +221,7 @@ def executions(bench: Bench, route: str) -> collections.Counter[str]:
 def double_executions(bench: Bench) -> None:
     counts = executions(bench, "idempotent")
     hand = executions(bench, "handrolled")
+    powertools = executions(bench, "powertools")
     mix_prefixes = tuple(p + "-" for p in bench.prefixes["d"])
     mix_keys = {k: c for k, c in counts.items() if k.startswith(mix_prefixes)}
     patterns = [p + "-%" for p in bench.prefixes["d"]]
@@ -200,4 +252,6 @@ def double_executions(bench: Bench) -> None:
         "all_idempotent_double_executions": sum(1 for c in counts.values() if c > 1),
         "handrolled_keys_executed": len(hand),
         "handrolled_double_executions": sum(1 for c in hand.values() if c > 1),
+        "powertools_keys_executed": len(powertools),
+        "powertools_double_executions": sum(1 for c in powertools.values() if c > 1),
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import VARIANTS
+from bench.common import BY_NAME, VARIANTS
 
 Write = Callable[[str], None]
 
@@ -17,6 +17,8 @@ RATIOS = [
     ("b/f", "b", "f", "new key vs hand-rolled", 1.40),
     ("b/e", "b", "e", "new key vs the database's ceiling", None),
     ("d/a", "d", "a", "10 % duplicates vs plain", None),
+    ("b/g", "b", "g", "new key vs Powertools + Redis", 1.00),
+    ("c/gr", "c", "gr", "replay vs Powertools + Redis", None),
 ]
 
 
@@ -27,6 +29,8 @@ def render_report(results: dict[str, Any]) -> str:
         header,
         throughput,
         ratios,
+        latency,
+        peers,
         cpu,
         database,
         counted,
@@ -87,7 +91,7 @@ def throughput(results: dict[str, Any], w: Write) -> None:
     s = results["summary"]
     w("")
     w(
-        f"{'':2}{'variant':46} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'non-2xx':>7}"
+        f"{'':3}{'variant':45} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'non-2xx':>7}"
         "  req/s of each round"
     )
     for v in VARIANTS:
@@ -95,11 +99,15 @@ def throughput(results: dict[str, Any], w: Write) -> None:
             r = s[v.name]
             rounds = " ".join(f"{x:.0f}" for x in r["rps_rounds"])
             w(
-                f"{v.name} {v.label:46} {r['rps']:8.1f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f}"
+                f"{v.name:2} {v.label:45} {r['rps']:8.1f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f}"
                 f" {r['errors']:7d}  {rounds}"
             )
-    w("(non-2xx: wrk's errors and non-2xx answers over all rounds; in c and d these are the")
-    w("409 answers to duplicates that arrived while their first request was still running)")
+    for peer in results.get("peers", {}).values():
+        for v in peer["variants"]:
+            if v not in s:
+                w(f"{v:2} {BY_NAME[v].label:45} not measured (see 'peers' below)")
+    w("(non-2xx: wrk's errors and non-2xx answers over all rounds; in c, d and gr these are")
+    w("the 409 answers to duplicates that arrived while their first request still ran)")
     if results.get("discarded_rounds"):
         w(
             f"{len(results['discarded_rounds'])} round(s) repeated because other processes used"
@@ -128,31 +136,76 @@ def ratios(results: dict[str, Any], w: Write) -> None:
         verdict = ""
         if target is not None:
             verdict = f"target >= {target:.2f}: {'MET' if value >= target else 'NOT MET'}"
-        w(
-            f"  {label} {text:36} {value:5.2f}  (rounds {min(per_round):.2f}-{max(per_round):.2f})"
-            f"  {verdict}"
-        )
+        low, high = min(per_round), max(per_round)
+        w(f"  {label:4} {text:36} {value:5.2f}  (rounds {low:.2f}-{high:.2f})  {verdict}".rstrip())
     results["ratios"] = found
+
+
+def latency(results: dict[str, Any], w: Write) -> None:
+    if "latency" not in results:
+        return
+    lat = results["latency"]
+    w("")
+    w(f"latency at low load, sequential ({results['settings'].get('latency', '')}):")
+    w("one client, one connection, the next request sent when the last one was answered;")
+    w("added: over the plain view (a), p50 over p50 and p99 over p99")
+    w(
+        f"  {'':3}{'variant':42} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>9}"
+        f" {'added p99':>9} {'requests':>8}"
+    )
+    plain = lat.get("a")
+    for v in VARIANTS:
+        if v.name in lat:
+            r = lat[v.name]
+            added = ""
+            if plain is not None and v.name != "a":
+                added = (
+                    f" {r['p50_ms'] - plain['p50_ms']:+9.2f} {r['p99_ms'] - plain['p99_ms']:+9.2f}"
+                )
+            else:
+                added = f" {'':9} {'':9}"
+            w(
+                f"  {v.name:2} {v.label:42} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f}{added}"
+                f" {r['requests']:8d}"
+            )
+
+
+def peers(results: dict[str, Any], w: Write) -> None:
+    if "peers" not in results:
+        return
+    w("")
+    w("peers, same app, same view body, same run:")
+    for name, peer in results["peers"].items():
+        w(f"  {name}: {peer.get('package', '?')}; {peer['status']}")
+        if peer.get("install_log"):
+            w(f"    pip: {peer['install_log'].splitlines()[-1]}")
+        if peer.get("redis"):
+            items = peer["redis_settings"].items()
+            settings = ", ".join(f"{k} {v}" if v else f"{k} ''" for k, v in items)
+            w(f"    {peer['redis'].split(' sha=')[0]} on 127.0.0.1: {settings}")
+    w("  (Redis acknowledges a write before it is on disk: with appendfsync everysec up to a")
+    w("  second of acknowledged keys is lost in a crash of the machine; a PostgreSQL commit")
+    w("  with synchronous_commit=on answers only after its WAL flush)")
 
 
 def cpu(results: dict[str, Any], w: Write) -> None:
     s = results["summary"]
     w("")
     w("CPU per request under load (medians, ms of CPU time): gunicorn (master and workers),")
-    w("postgres (all its processes), the load generator, the kernel (interrupts, softirq and")
-    w("kernel threads: loopback TCP, disk), other processes on the machine; how busy the CPUs")
-    w("were during the round:")
+    w("postgres (all its processes), redis-server, the load generator, the kernel")
+    w("(interrupts, softirq and kernel threads: loopback TCP, disk), other processes on the")
+    w("machine; how busy the CPUs were during the round:")
     w(
-        f"  {'':2}{'total':>6} {'gunicorn':>9} {'postgres':>9} {'wrk/pgb':>8} {'kernel':>7}"
-        f" {'others':>7} {'CPUs busy':>10}"
+        f"  {'':3}{'total':>6} {'gunicorn':>9} {'postgres':>9} {'redis':>6} {'wrk/pgb':>8}"
+        f" {'kernel':>7} {'others':>7} {'CPUs busy':>10}"
     )
     for v in VARIANTS:
         if v.name in s:
             c = s[v.name]["cpu_ms_per_request"]
             w(
-                f"  {v.name} {c['busy']:6.2f} {c['gunicorn']:9.2f} {c['postgres']:9.2f}"
-                f" {c['loadgen']:8.2f} {c['kernel']:7.2f} {c['other']:7.2f}"
-                f" {s[v.name]['cpu_utilisation']:10.0%}"
+                f"  {v.name:2} {c['busy']:6.2f} {c['gunicorn']:9.2f} {c['postgres']:9.2f}"
+                f" {c.get('redis', 0.0):6.2f} {c['loadgen']:8.2f} {c['kernel']:7.2f}"
+                f" {c['other']:7.2f} {s[v.name]['cpu_utilisation']:10.0%}"
             )
 
 
@@ -163,7 +216,7 @@ def database(results: dict[str, Any], w: Write) -> None:
     w("xids: transaction ids assigned; WAL flushes: pg_stat_io fsyncs of client backends,")
     w("then of all processes; fewer than commits when commits share a flush):")
     for v in VARIANTS:
-        if v.name in s and v.name != "a":
+        if v.name in s and v.name != "a" and not v.peer:
             d = s[v.name]["db_per_request"]
             w(
                 f"  {v.name} {d['statements']:5.2f} statements {d['xids']:5.2f} xids"
@@ -249,6 +302,11 @@ def duplicates(results: dict[str, Any], w: Write) -> None:
         f" hand-rolled: {d['handrolled_keys_executed']} keys,"
         f" double executions: {d['handrolled_double_executions']}"
     )
+    if d.get("powertools_keys_executed"):
+        w(
+            f"  Powertools + Redis: {d['powertools_keys_executed']} keys,"
+            f" double executions: {d['powertools_double_executions']}"
+        )
 
 
 def inprocess(results: dict[str, Any], w: Write) -> None:

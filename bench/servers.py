@@ -1,5 +1,6 @@
 """The servers the benchmark starts and stops: a durable PostgreSQL, gunicorn running
-bench/app.py, and the bounded children (wrk, pgbench, py-spy) in between.
+bench/app.py, redis-server for the peers, and the bounded children (wrk, pgbench,
+py-spy) in between.
 
 Every long-lived process is written to ``<workdir>/pids`` while it runs, so that
 bench/run can still stop it by PID if this process dies without cleaning up.
@@ -8,7 +9,9 @@ bench/run can still stop it by PID if this process dies without cleaning up.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -261,3 +264,75 @@ def stop_gunicorn(processes: Processes, server: Gunicorn) -> None:
             os.killpg(server.proc.pid, signal.SIGKILL)
             server.proc.wait(10)
     processes.forget(server.proc.pid)
+
+
+class Redis:
+    """Debian's ``redis-server`` on a free 127.0.0.1 port, for the peers (bench/peers.py).
+
+    Persistence as a team that cares would set it: the append-only file, flushed once a
+    second (``appendfsync everysec``); no RDB snapshots, whose forks would land in the
+    middle of rounds. Stopped by PID.
+    """
+
+    def __init__(self, workdir: Path, processes: Processes, appendfsync: str) -> None:
+        self.workdir = workdir
+        self.processes = processes
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.settings = {"appendonly": "yes", "appendfsync": appendfsync, "save": ""}
+        self.version = ""
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.path.exists(binary):
+            raise BenchError("redis-server is not installed (apt-get install redis-server)")
+        self.version = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "redis.log"
+        options = [arg for k, v in self.settings.items() for arg in (f"--{k}", v)]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", *options,
+             "--dir", str(self.workdir), "--logfile", str(log), "--daemonize", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        self.processes.note("redis", self.proc.pid)
+        deadline = time.monotonic() + 15
+        while not self.answers_ping():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                text = log.read_text()[-2000:] if log.exists() else "no log"
+                raise BenchError(f"redis-server did not start: {text}")
+            time.sleep(0.05)
+
+    def answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.processes.forget(self.proc.pid)
+        self.proc = None
