@@ -25,6 +25,7 @@ from .errors import (
 from .extension import Idempotency
 from .jobs import Job
 from .model import KeyStatus
+from .rerun import completing
 
 __all__ = [
     "AttemptSuperseded",
@@ -47,6 +48,7 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "StoredFailure",
+    "completing",
     "current_idempotency",
     "signals",
 ]

@@ -212,6 +212,12 @@ class RouteSettings:
     error_format: str = option("problem", _choice("problem", "stripe"))
     #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
     in_progress_status: int = option(409, _in_progress_status)
+    #: store the request with the claim, so that ``flask idempotency-complete`` can run
+    #: it again without its client (SPEC §9)
+    complete: bool = option(False, _bool)
+    #: the request headers stored with a ``complete=True`` claim (this list replaces
+    #: the default: name Content-Type yourself)
+    stored_request_headers: frozenset[str] = option(("Content-Type",), _header_names)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
 
     @functools.cached_property
@@ -265,6 +271,8 @@ class Settings:
     reconcile_backoff: timedelta = option(5, _duration)
     #: failed hand-overs (or undecided reconciliations) before a job is dead (a key exhausted)
     reconcile_max_attempts: int = option(10, _int_at_least(1))
+    #: ``flask idempotency-complete`` takes keys untouched for this long (``--older-than``)
+    complete_after: float = option(300, _seconds)
     #: the app-wide defaults of the per-route settings
     route: RouteSettings = dataclasses.field(default_factory=RouteSettings)
 

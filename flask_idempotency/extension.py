@@ -17,6 +17,7 @@ from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
 from .cli import COMMANDS
+from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
 from .dispatch import DispatchFunction
@@ -24,6 +25,7 @@ from .ending import after_request, record_exception, teardown_request
 from .errors import ConfigError
 from .handler import begin
 from .postgres import PostgresStore
+from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
 
 P = ParamSpec("P")
@@ -84,7 +86,7 @@ class Idempotency:
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
-        for command in COMMANDS:
+        for command in (*COMMANDS, *WORKER_COMMANDS):
             app.cli.add_command(command)
 
     def tenant_loader(self, loader: Callable[[], str]) -> Callable[[], str]:
@@ -144,6 +146,8 @@ class Idempotency:
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
 
             setattr(wrapper, _MARK, True)
+            # how the completer finds the route's options (functools.wraps carries it on)
+            setattr(wrapper, ROUTE_ATTRIBUTE, overrides)
             return wrapper
 
         return decorator(view) if view is not None else decorator

@@ -34,7 +34,9 @@ from .fingerprint import fingerprint
 from .keys import check_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .postgres import PinnedConnection
+from .rerun import current_rerun
 from .state import IdempotencyState
+from .stored_request import StoredRequest, capture
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -48,6 +50,8 @@ class Identity:
     tenant: str
     key: str
     fingerprint: bytes
+    #: what a ``complete=True`` route stores with its claim
+    request: StoredRequest | None = None
 
     @property
     def lock_id(self) -> int:
@@ -74,7 +78,10 @@ def begin(
 
     :raises ProblemError: the answer is an error (400, 409, 422, 503, ...).
     """
+    rerun = current_rerun()
     identity = identify(settings, tenant_loader)
+    if rerun is not None:  # the completer runs a stored request: it claims its way
+        return rerun.begin(state, settings, transactional, identity)
     if identity is None:
         return None
     started = time.monotonic()
@@ -125,7 +132,8 @@ def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Ide
     path = request.path
     if request.query_string:
         path += "?" + request.query_string.decode("latin-1")
-    return Identity(tenant, key, fingerprint(request.method, path, request.mimetype, body))
+    stored = capture(settings, body) if settings.complete else None
+    return Identity(tenant, key, fingerprint(request.method, path, request.mimetype, body), stored)
 
 
 def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:
@@ -193,7 +201,7 @@ def _claim(
 ) -> Claim:
     """One claim statement; on a pinned connection for a transactional view."""
     store = state.store
-    args = (identity.tenant, identity.key, identity.fingerprint, settings)
+    args = (identity.tenant, identity.key, identity.fingerprint, settings, identity.request)
     if transactional:
         return Claim(*store.claim_pinned(*args))
     return Claim(store.claim(*args))

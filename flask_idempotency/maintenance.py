@@ -85,15 +85,21 @@ class Maintenance:
         *,
         ttl: timedelta,
         response: StoredResponse | None = None,
+        fence: tuple[int, int, int] | None = None,
     ) -> bool:
         """Resolve an ``unknown`` key as retryable, or as completed with *response*;
-        False when there is no such key in ``unknown``."""
+        False when there is no such key in ``unknown`` (or, with *fence*, when the key
+        is no longer at that ``(attempt, generation, looks)``)."""
+        attempt, generation, looks = fence or (None, None, None)
         params = {
             "tenant": tenant,
             "key": key,
             "status": status.value,
             "ttl": ttl,
             **response_params(response),
+            "attempt": attempt,
+            "generation": generation,
+            "looks": looks,
         }
         return self._rowcount(RESOLVE_KEY, params) == 1
 

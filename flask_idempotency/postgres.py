@@ -39,6 +39,7 @@ from .pool import (
 from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 from .rows import claim_outcome, response_params
 from .schema import Schema
+from .stored_request import StoredRequest, request_params
 
 __all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
 
@@ -191,6 +192,7 @@ class PostgresStore:
         key: str,
         fingerprint: bytes,
         terms: RouteSettings,
+        request: StoredRequest | None = None,
         pinned: PinnedConnection | None = None,
     ) -> ClaimOutcome:
         """Decide what this request does with *key*, and claim it if the view must run,
@@ -207,13 +209,14 @@ class PostgresStore:
             "lease": terms.lease,
             "ttl": terms.ttl,
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
+            **request_params(request),
         }
         _, row = self._run(self._claim, params, pinned, fetch=True)
         assert row is not None
         return claim_outcome(row, fingerprint)
 
     def claim_pinned(
-        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings
+        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None
     ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         """Claim on a connection pinned for a transactional view; the connection is
         returned only when this request owns the key (else it goes back at once)."""
@@ -229,7 +232,7 @@ class PostgresStore:
     ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         pinned = self.pin()
         try:
-            outcome = self.claim(tenant, key, fingerprint, terms, pinned)
+            outcome = self.claim(tenant, key, fingerprint, terms, request, pinned)
         except BaseException:
             self.unpin(pinned, commit=False)
             raise

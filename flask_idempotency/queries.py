@@ -6,7 +6,9 @@ are always bound parameters. :class:`~.postgres.PostgresStore` runs them.
 
 from __future__ import annotations
 
-SCHEMA = """
+# The keys table as this release creates it. Columns added since the 0.1.0 table
+# are in UPGRADE_COLUMNS too: schema.py adds them to an older table.
+TABLE = """
 CREATE TABLE IF NOT EXISTS {table} (
     tenant text NOT NULL,
     key text NOT NULL,
@@ -23,14 +25,54 @@ CREATE TABLE IF NOT EXISTS {table} (
     created_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now(),
     expires_at timestamptz NOT NULL,
+    request text,
+    request_body bytea,
+    reconcile_attempts integer NOT NULL DEFAULT 0,
+    reconcile_due_at timestamptz,
+    reconcile_error text,
     PRIMARY KEY (tenant, key)
-);
-CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at)
-    WHERE status IN ('completed', 'retryable');
-CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (locked_until)
-    WHERE status = 'processing';
-CREATE INDEX IF NOT EXISTS {unknown_index} ON {table} (created_at)
-    WHERE status = 'unknown';
+)
+"""
+
+#: columns added since the 0.1.0 table, with their type and constant default, so that
+#: ``ADD COLUMN`` only changes the catalog (no table rewrite)
+UPGRADE_COLUMNS = (
+    ("request", "text"),  # the stored request of a complete=True claim (JSON text)
+    ("request_body", "bytea"),
+    ("reconcile_attempts", "integer NOT NULL DEFAULT 0"),  # undecided looks so far
+    ("reconcile_due_at", "timestamptz"),  # the next look (NULL: due now)
+    ("reconcile_error", "text"),  # the last reconciler error
+)
+
+#: the keys table's indexes, by the suffix of their name: what follows ``ON``
+INDEXES = {
+    "expires_idx": "{table} (expires_at) WHERE status IN ('completed', 'retryable')",
+    "lease_idx": "{table} (locked_until) WHERE status = 'processing'",
+    "unknown_idx": "{table} (created_at) WHERE status = 'unknown'",
+    # the completer's due keys: only claims of complete=True routes not completed yet
+    "complete_idx": "{table} (updated_at) WHERE request IS NOT NULL",
+}
+
+CREATE_INDEX = "CREATE INDEX IF NOT EXISTS {name} ON "
+# Outside a transaction: builds without blocking writes; a failed build leaves an
+# INVALID index, which is dropped (also concurrently) and built again.
+CREATE_INDEX_CONCURRENTLY = "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON "
+DROP_INDEX_CONCURRENTLY = "DROP INDEX CONCURRENTLY IF EXISTS {name}"
+
+# A column added with ADD COLUMN waits for ACCESS EXCLUSIVE only briefly: a long
+# transaction on the table makes it give up (and try again) rather than queue every
+# claim behind it.
+ADD_COLUMN = "ADD COLUMN IF NOT EXISTS {column} "
+LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
+# What exists: missing objects (by their to_regclass name), the keys table's columns,
+# and its invalid indexes (a concurrent build that failed).
+SCHEMA_STATE = """
+SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclass(name) IS NULL),
+       ARRAY(SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped),
+       ARRAY(SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+             WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid)
 """
 
 # Reads the row with the statement's snapshot and decides; only when the request
@@ -62,10 +104,11 @@ WITH seen AS (
     FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
 ), claimed AS (
     INSERT INTO {table} AS k
-        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at)
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+         request, request_body)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
-           now() + %(lease)s, now() + %(ttl)s
+           now() + %(lease)s, now() + %(ttl)s, %(request)s, %(request_body)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
     ON CONFLICT (tenant, key) DO UPDATE SET
@@ -82,7 +125,8 @@ WITH seen AS (
         locked_until = excluded.locked_until,
         expires_at = excluded.expires_at,
         updated_at = now(),
-        response_status = NULL, response_headers = NULL, response_body = NULL
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        request = excluded.request, request_body = excluded.request_body
     WHERE (k.attempt, k.generation, k.status)
         = (SELECT attempt, generation, status FROM seen)
       -- a phase that committed meanwhile renewed the lease: the owner is alive
@@ -106,14 +150,17 @@ LEFT JOIN seen ON true
 """
 
 # The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
-# whose key was taken over, or used afresh after expiry, changes nothing.
+# whose key was taken over, or used afresh after expiry, changes nothing. A completed
+# key no longer needs its stored request (complete=True): it is dropped at once.
 FINISH = """
 UPDATE {table}
 SET status = %(status)s, locked_until = NULL, updated_at = now(),
     expires_at = now() + %(ttl)s,
     response_status = %(response_status)s,
     response_headers = %(response_headers)s,
-    response_body = %(response_body)s
+    response_body = %(response_body)s,
+    request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
@@ -133,8 +180,6 @@ WHERE tenant = %(tenant)s AND key = %(key)s
 # With IDEMPOTENCY_SYNCHRONOUS_FINISH = False: this statement's own transaction commits
 # without waiting for its WAL flush (set_config(..., true) lasts until its commit).
 ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
-
-SCHEMA_PRESENT = "SELECT count(to_regclass(name)) FROM unnest(%(names)s::text[]) AS name"
 
 DELETE_EXPIRED = """
 WITH doomed AS (
@@ -179,13 +224,20 @@ SELECT tenant, key, status, attempt, recovery_point, encode(fingerprint, 'hex') 
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
 
-# Only an ``unknown`` key is resolved by hand; anything else is the extension's.
+# Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler);
+# anything else is the extension's, and a completed key is never overwritten. The
+# reconciler's answer is fenced by the look it answers (attempt, generation, looks).
 RESOLVE_KEY = """
 UPDATE {table}
 SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locked_until = NULL,
     response_status = %(response_status)s, response_headers = %(response_headers)s,
-    response_body = %(response_body)s
+    response_body = %(response_body)s,
+    request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
+    reconcile_attempts = 0, reconcile_due_at = NULL, reconcile_error = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
+  AND (%(looks)s::integer IS NULL
+       OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
 """
 
 COUNT_STUCK = """
@@ -265,4 +317,73 @@ FROM {jobs}
 WHERE dead = %(dead)s OR (NOT %(dead)s AND last_error IS NOT NULL)
 ORDER BY created_at
 LIMIT %(limit)s
+"""
+
+# -- the completer (SPEC §9) ----------------------------------------------------------------
+
+# One batch of keys whose client evidently gave up: claims of complete=True routes
+# abandoned past their lease, and retryable ones, untouched for longer than
+# older_than. The batch reserves them (locked_until: a lease held by this completer,
+# the fence of its takeover), so completers on several hosts take disjoint batches; a
+# client retry of a retryable key still wins at once. updated_at marks them looked at:
+# a key that had to be skipped waits behind the others until older_than passes again.
+DUE_FOR_COMPLETION = """
+WITH due AS (
+    SELECT tenant, key FROM {table}
+    WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
+      AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
+      AND coalesce(locked_until, '-infinity') <= now()
+    ORDER BY updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
+FROM due WHERE k.tenant = due.tenant AND k.key = due.key
+RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
+          k.request, k.request_body, k.locked_until
+"""
+
+COUNT_DUE_FOR_COMPLETION = """
+SELECT tenant, key, status, attempt FROM {table}
+WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
+  AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
+  AND coalesce(locked_until, '-infinity') <= now()
+ORDER BY updated_at
+LIMIT %(limit)s
+"""
+
+# The completer takes a key over exactly as a client retry would: the next attempt,
+# fenced by its reservation, under the key's advisory lock (a twin claiming the key
+# right now gets 409 at once rather than waiting on the row).
+TAKE_OVER = """
+UPDATE {table}
+SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
+    updated_at = now(), expires_at = now() + %(ttl)s,
+    response_status = NULL, response_headers = NULL, response_body = NULL
+WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
+  AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
+  AND status IN ('retryable', 'processing')
+  AND pg_try_advisory_xact_lock(%(lock_id)s::bigint)
+RETURNING attempt, generation, recovery_point
+"""
+
+# A skipped key is left as it was: its reservation ends (a retryable key holds no
+# lease, an abandoned claim's lease is over).
+UNRESERVE = """
+UPDATE {table}
+SET locked_until = CASE WHEN status = 'processing' THEN now() END
+WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
+  AND (attempt, generation) = (%(attempt)s, %(generation)s)
+"""
+
+# A route with ON_ABANDONED = "unknown": the abandoned claim becomes unknown, as a
+# client retry would make it, and the reconciler takes it from there.
+MARK_UNKNOWN = """
+UPDATE {table} SET status = 'unknown', locked_until = NULL, updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
+  AND (attempt, generation) = (%(attempt)s, %(generation)s) AND locked_until = %(reserved)s
+"""
+
+KEY_STATE = """
+SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """

@@ -1,21 +1,67 @@
-"""The table and its indexes: what they are called, whether they exist, creating them.
+"""The tables and their indexes: names, what exists, creating them, upgrading them online.
 
-Upgrades of a table made by an earlier release belong here too, so that
-``flask idempotency-init`` and the first request of a process run the same code.
+``flask idempotency-init`` and the first request of a process run the same code,
+:meth:`Schema.create`: a missing table is created; a table made by an earlier release
+is upgraded by :attr:`Schema.steps`, each step online: ``ADD COLUMN`` without a
+volatile default (a catalog change) under a short ``lock_timeout``, retried, so it
+never queues claims behind a long transaction; ``CREATE INDEX CONCURRENTLY`` outside
+any transaction. A later feature adds its own :class:`Step`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 
 from .keys import lock_id
-from .queries import JOBS_SCHEMA, SCHEMA, SCHEMA_PRESENT
+from .queries import (
+    ADD_COLUMN,
+    CREATE_INDEX,
+    CREATE_INDEX_CONCURRENTLY,
+    DROP_INDEX_CONCURRENTLY,
+    INDEXES,
+    JOBS_SCHEMA,
+    LOCK_TIMEOUT,
+    SCHEMA_STATE,
+    TABLE,
+    UPGRADE_COLUMNS,
+)
 
 logger = logging.getLogger("flask_idempotency")
+
+#: how long one ``ADD COLUMN`` waits for its lock before it gives up and tries again
+LOCK_TIMEOUT_SECONDS = 1.0
+#: how many times it tries
+LOCK_TRIES = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaState:
+    """What exists of the schema objects, as :data:`~.queries.SCHEMA_STATE` reads it."""
+
+    #: the to_regclass names of the objects that do not exist
+    missing: frozenset[str]
+    #: the keys table's columns
+    columns: frozenset[str]
+    #: indexes of the keys table whose concurrent build failed
+    invalid: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One online upgrade step: whether a table lacks it, and how to add it."""
+
+    name: str
+    needed: Callable[[SchemaState], bool]
+    #: runs on an autocommit connection, outside any transaction
+    apply: Callable[[psycopg.Connection[Any]], None]
 
 
 class Schema:
@@ -27,61 +73,171 @@ class Schema:
         #: the table, quoted as needed
         self.table = sql.Identifier(*parts)
         name = parts[-1]
-        self._index_names = (f"{name}_expires_idx", f"{name}_lease_idx", f"{name}_unknown_idx")
+        prefix = _quoted(parts[0]) + "." if len(parts) == 2 else ""
+        #: index name → its definition after ``ON``
+        self.indexes = {f"{name}_{suffix}": INDEXES[suffix] for suffix in INDEXES}
         jobs_parts = jobs_table.split(".")
         #: the staged jobs' table (SPEC §10), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
-        # to_regclass() parses its argument as SQL would: quote every part, so that a
-        # name that needs quoting ("Keys", "idempotency-keys") is found as created
-        self._qualified = (
-            [_qualified(parts)]
-            + [_qualified([*parts[:-1], i]) for i in self._index_names]
-            + [_qualified(jobs_parts), _qualified([*jobs_parts[:-1], self._jobs_index])]
-        )
+        jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""
+        # to_regclass() parses its argument as SQL would: every part quoted
+        self._regclass = {
+            "table": ".".join(map(_quoted, parts)),
+            "jobs": ".".join(map(_quoted, jobs_parts)),
+            "jobs_index": jobs_prefix + _quoted(self._jobs_index),
+            **{index: prefix + _quoted(index) for index in self.indexes},
+        }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
+        #: the upgrade of a table made by an earlier release, in order
+        self.steps: list[Step] = [
+            Step("columns", self._lacks_columns, self._add_columns),
+            Step("jobs table", self._lacks_jobs, self._create_jobs),
+            *(
+                Step(f"index {index}", self._lacks_index(index), self._index_builder(index))
+                for index in self.indexes
+            ),
+        ]
+
+    # -- looking -------------------------------------------------------------------
+
+    def state(self, conn: psycopg.Connection[Any]) -> SchemaState:
+        """What exists now (one query)."""
+        params = {"names": list(self._regclass.values()), "table": self._regclass["table"]}
+        row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
+        assert row is not None
+        return SchemaState(frozenset(row[0]), frozenset(row[1]), frozenset(row[2]))
+
+    def present(self, conn: psycopg.Connection[Any]) -> bool:
+        """True if every table, column and index exists (and every index is valid)."""
+        return not self._work(self.state(conn))
+
+    def _work(self, state: SchemaState) -> list[Step]:
+        return [step for step in self.steps if step.needed(state)]
+
+    # -- creating and upgrading ----------------------------------------------------
 
     def create(self, conn: psycopg.Connection[Any]) -> bool:
-        """Create the table and its indexes if any is missing; True if DDL ran.
+        """Create the tables and indexes, or upgrade a table made by an earlier release;
+        True if DDL ran. Safe to run from several processes at once.
 
         Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
         when the index exists, which would queue behind live claims.
         """
         if self.present(conn):
             return False
+        with _autocommit(conn), self._exclusive(conn):
+            state = self.state(conn)
+            if self._regclass["table"] in state.missing:
+                self._create_all(conn)
+                return True
+            work = self._work(state)
+            for step in work:
+                logger.info("upgrading table %s: %s", self.name, step.name)
+                step.apply(conn)
+        if work:
+            logger.info("upgraded table %s: %s", self.name, ", ".join(s.name for s in work))
+        return bool(work)
+
+    def _create_all(self, conn: psycopg.Connection[Any]) -> None:
         with conn.transaction():
-            # Workers starting together must not race on CREATE TABLE IF NOT EXISTS.
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(%s)", [lock_id("schema", self.name)], prepare=False
-            )
-            if self.present(conn):
-                return False
-            conn.execute(
-                sql.SQL(SCHEMA).format(
-                    table=self.table,
-                    expires_index=sql.Identifier(self._index_names[0]),
-                    lease_index=sql.Identifier(self._index_names[1]),
-                    unknown_index=sql.Identifier(self._index_names[2]),
-                ),
-                prepare=False,
-            )
+            conn.execute(sql.SQL(TABLE).format(table=self.table), prepare=False)
+            for index, definition in self.indexes.items():
+                conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
+        self._create_jobs(conn)
+        logger.info("created table %s and its indexes", self.name)
+
+    @contextmanager
+    def _exclusive(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """One process at a time creates or upgrades (the others wait, then find it done).
+
+        A session-level lock, because ``CREATE INDEX CONCURRENTLY`` cannot run in a
+        transaction; released in any case, and with the connection if it breaks.
+        """
+        lock = lock_id("schema", self.name)
+        conn.execute("SELECT pg_advisory_lock(%s)", [lock], prepare=False)
+        try:
+            yield
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute("SELECT pg_advisory_unlock(%s)", [lock], prepare=False)
+
+    # -- the steps -------------------------------------------------------------------
+
+    def _lacks_columns(self, state: SchemaState) -> bool:
+        return any(column not in state.columns for column, _ in UPGRADE_COLUMNS)
+
+    def _add_columns(self, conn: psycopg.Connection[Any]) -> None:
+        parts = [
+            sql.SQL(ADD_COLUMN).format(column=sql.Identifier(column)) + sql.SQL(definition)
+            for column, definition in UPGRADE_COLUMNS
+        ]
+        alter = sql.SQL("ALTER TABLE {} ").format(self.table) + sql.SQL(", ").join(parts)
+        for tries_left in range(LOCK_TRIES - 1, -1, -1):
+            try:
+                with conn.transaction():
+                    timeout = f"{int(LOCK_TIMEOUT_SECONDS * 1000)}ms"
+                    conn.execute(LOCK_TIMEOUT, {"timeout": timeout}, prepare=False)
+                    conn.execute(alter, prepare=False)
+                return
+            except errors.LockNotAvailable:
+                if not tries_left:
+                    raise
+                logger.warning(
+                    "upgrading table %s: a long transaction holds it; trying again", self.name
+                )
+                time.sleep(0.1)
+
+    def _lacks_jobs(self, state: SchemaState) -> bool:
+        return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)
+
+    def _create_jobs(self, conn: psycopg.Connection[Any]) -> None:
+        with conn.transaction():
             conn.execute(
                 sql.SQL(JOBS_SCHEMA).format(
                     jobs=self.jobs, jobs_due_index=sql.Identifier(self._jobs_index)
                 ),
                 prepare=False,
             )
-        logger.info("created table %s and its indexes", self.name)
-        return True
 
-    def present(self, conn: psycopg.Connection[Any]) -> bool:
-        """True if the table and all its indexes exist."""
-        # prepare=False: run once per process, and a transaction pooler may be in between
-        row = conn.execute(SCHEMA_PRESENT, {"names": self._qualified}, prepare=False).fetchone()
-        return row is not None and row[0] == len(self._qualified)
+    def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
+        return lambda state: self._regclass[index] in state.missing or index in state.invalid
+
+    def _index_builder(self, index: str) -> Callable[[psycopg.Connection[Any]], None]:
+        def build(conn: psycopg.Connection[Any]) -> None:
+            # A failed concurrent build leaves an invalid index under the name.
+            conn.execute(self._index_sql(DROP_INDEX_CONCURRENTLY, index, ""), prepare=False)
+            statement = self._index_sql(CREATE_INDEX_CONCURRENTLY, index, self.indexes[index])
+            conn.execute(statement, prepare=False)
+
+        return build
+
+    def _index_sql(self, head: str, index: str, definition: str) -> sql.Composed:
+        # CREATE INDEX names the index bare (it lives in its table's schema); DROP
+        # INDEX needs the schema.
+        schema = self.name.split(".")[0] if "." in self.name else None
+        if schema is not None and head.startswith("DROP"):
+            name = sql.Identifier(schema, index)
+        else:
+            name = sql.Identifier(index)
+        return sql.SQL(head).format(name=name) + sql.SQL(definition).format(table=self.table)
 
 
-def _qualified(parts: list[str]) -> str:
-    """``schema.name`` as SQL reads it, every part quoted."""
-    return ".".join('"' + part.replace('"', '""') + '"' for part in parts)
+@contextmanager
+def _autocommit(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """*conn* in autocommit while the block runs (a pool passed in by the app may not be)."""
+    if conn.autocommit:
+        yield
+        return
+    conn.commit()
+    conn.autocommit = True
+    try:
+        yield
+    finally:
+        if not conn.closed:
+            conn.autocommit = False
+
+
+def _quoted(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'

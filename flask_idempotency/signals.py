@@ -52,3 +52,34 @@ released = _signals.signal("idempotency-released")
 #: The store could not be reached. Kwargs: ``tenant``, ``key``, ``error``,
 #: ``fail_open`` (True when the view ran unprotected).
 store_unavailable = _signals.signal("idempotency-store-unavailable")
+
+# -- the background processes (SPEC §9) -----------------------------------------------------
+
+#: ``flask idempotency-complete`` ran a key's stored request to its end. Kwargs:
+#: ``tenant``, ``key``, ``attempt`` (the completer's), ``status`` (the key's new status:
+#: ``"completed"``, ``"retryable"``, ``"unknown"``, or ``"marked_unknown"`` for an
+#: abandoned claim of a route with ``ON_ABANDONED = "unknown"``).
+completer_finished = _signals.signal("idempotency-completer-finished")
+
+#: The completer left a key as it was: its tenant changed, its route is gone or no
+#: longer has ``complete=True``, or its stored request cannot run. Kwargs: ``tenant``,
+#: ``key``, ``reason``.
+completer_skipped = _signals.signal("idempotency-completer-skipped")
+
+#: An ``unknown`` key's look was undecided (the reconciler returned ``None``, or raised:
+#: ``error`` is the exception) and its next look is scheduled. Kwargs: ``tenant``,
+#: ``key``, ``looks`` (undecided looks so far), ``due_in`` (seconds), ``error``.
+reconcile_scheduled = _signals.signal("idempotency-reconcile-scheduled")
+
+#: An ``unknown`` key was resolved. Kwargs: ``tenant``, ``key``, ``status``
+#: (``"completed"`` or ``"retryable"``), ``source`` (``"reconciler"`` or ``"resolve"``).
+reconcile_resolved = _signals.signal("idempotency-reconcile-resolved")
+
+#: An ``unknown`` key had ``IDEMPOTENCY_RECONCILE_MAX_ATTEMPTS`` undecided looks: it
+#: stays ``unknown`` and is listed by ``flask idempotency-list --exhausted``. Kwargs:
+#: ``tenant``, ``key``, ``looks``.
+reconcile_exhausted = _signals.signal("idempotency-reconcile-exhausted")
+
+#: ``flask idempotency-clean`` finished. Kwargs: ``deleted`` (expired keys deleted),
+#: ``marked`` (abandoned claims marked retryable or unknown).
+keys_cleaned = _signals.signal("idempotency-keys-cleaned")

@@ -1,0 +1,97 @@
+"""The background processes' commands: ``flask idempotency-complete`` and
+``flask idempotency-reconcile`` (SPEC §9), registered by ``init_app`` with the others.
+
+Both run once (every due key, batch after batch) or, with ``--loop SECONDS``, one
+bounded batch per tick until SIGTERM; both print a line per key and one per batch,
+and exit 1 only when the store failed, so a cron job does not fail forever on one
+bad key.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import click
+from flask import current_app
+from flask.cli import with_appcontext
+
+from .completer import Completer, summary
+from .errors import StoreError
+from .loop import run_every
+from .state import get_state
+
+logger = logging.getLogger("flask_idempotency")
+
+_LIMIT = click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=10_000),
+    default=100,
+    show_default=True,
+    help="Keys per batch.",
+)
+_LOOP = click.option(
+    "--loop",
+    "interval",
+    type=click.FloatRange(min=0.01, max=86_400),
+    help="Run one batch every SECONDS until SIGTERM, instead of once.",
+)
+
+
+@click.command(
+    "idempotency-complete",
+    help="Run again, without their clients, the stored requests of complete=True routes"
+    " whose clients gave up (claims abandoned past their lease, retryable keys), and"
+    " store their responses for the clients' next retry. Safe on every host at once.",
+)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0, max=10**9),
+    help="Only keys untouched for this many seconds (default: IDEMPOTENCY_COMPLETE_AFTER).",
+)
+@_LIMIT
+@click.option("--dry-run", is_flag=True, help="Only list the keys that are due; run nothing.")
+@_LOOP
+@with_appcontext
+def complete_command(
+    older_than: float | None, limit: int, dry_run: bool, interval: float | None
+) -> None:
+    state = get_state()
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    age = timedelta(seconds=state.settings.complete_after if older_than is None else older_than)
+    completer = Completer(app, state.store, state.settings.route.lease)
+    if dry_run:
+        try:
+            rows = completer.due(age, limit)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from exc
+        for row in rows:
+            click.echo(
+                f"due tenant={row['tenant']!r} key={row['key']!r} status={row['status']}"
+                f" attempt={row['attempt']}"
+            )
+        click.echo(f"dry run: {len(rows)} key(s) due")
+        return
+
+    def tick() -> None:
+        seen: set[tuple[str, str]] = set()
+        while True:  # once: every due key; with --loop: one batch a tick
+            try:
+                reports = completer.run_batch(age, limit)
+            except StoreError as exc:
+                raise click.ClickException(str(exc)) from exc
+            for report in reports:
+                click.echo(report.line())
+            line = summary(reports)
+            click.echo(f"idempotency-complete: {line}")
+            logger.info("idempotency-complete batch: %s", line)
+            fresh = {(r.tenant, r.key) for r in reports} - seen
+            seen |= fresh
+            if interval is not None or len(reports) < limit or not fresh:
+                return
+
+    run_every(interval, tick)
+
+
+#: the commands of this module, registered with cli.COMMANDS
+COMMANDS = (complete_command,)

@@ -1,0 +1,186 @@
+"""``flask idempotency-complete``: drive to a terminal state the keys whose clients gave up.
+
+One batch is one short transaction that picks due keys of ``complete=True`` routes
+(``FOR UPDATE SKIP LOCKED``, marked looked-at in the same statement, so completers on
+several hosts take disjoint batches); then each key's stored request runs through the
+app as a :class:`~.rerun.Rerun`, which takes the key over exactly as a client retry
+would (fenced: a completer never runs a key another attempt holds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+from typing import Any
+
+from flask import Flask
+
+from . import signals
+from .model import KeyStatus
+from .postgres import PostgresStore
+from .queries import COUNT_DUE_FOR_COMPLETION, DUE_FOR_COMPLETION, KEY_STATE
+from .rerun import Rerun
+from .stored_request import StoredRequest
+
+logger = logging.getLogger("flask_idempotency")
+
+#: the outcomes of a key, as printed, logged and counted
+COMPLETED, RELEASED, UNKNOWN, MARKED_UNKNOWN = "completed", "retryable", "unknown", "marked_unknown"
+SKIPPED, RACED, FENCED = "skipped", "raced", "fenced"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyReport:
+    """What the completer did with one key."""
+
+    tenant: str
+    key: str
+    #: one of the outcome names above
+    outcome: str
+    attempt: int = 0
+    detail: str = ""
+
+    def line(self) -> str:
+        """The line printed for it."""
+        text = f"{self.outcome} tenant={self.tenant!r} key={self.key!r}"
+        if self.attempt:
+            text += f" attempt={self.attempt}"
+        return f"{text}: {self.detail}" if self.detail else text
+
+
+class Completer:
+    """Runs batches of due keys of *app* through *app*."""
+
+    def __init__(self, app: Flask, store: PostgresStore, hold: timedelta) -> None:
+        self.app = app
+        self.store = store
+        #: how long a batch reserves its keys (the app's IDEMPOTENCY_LEASE)
+        self.hold = hold
+
+    def due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
+        """The keys a batch would take now (for ``--dry-run``); changes nothing."""
+        params = {"older_than": older_than, "limit": limit}
+        with self.store.connection() as conn:
+            rows = conn.execute(self.store.render(COUNT_DUE_FOR_COMPLETION), params).fetchall()
+        names = ("tenant", "key", "status", "attempt")
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+    def run_batch(self, older_than: timedelta, limit: int) -> list[KeyReport]:
+        """Take up to *limit* due keys and run each; what became of each.
+
+        :raises StoreError: the store failed (keys already run keep their ending).
+        """
+        params = {"older_than": older_than, "limit": limit, "hold": self.hold}
+        with self.store.connection() as conn:
+            rows = conn.execute(self.store.render(DUE_FOR_COMPLETION), params).fetchall()
+        return [self._report(self._run_row(row)) for row in rows]
+
+    def _run_row(self, row: tuple[Any, ...]) -> KeyReport:
+        tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row
+        try:
+            stored = StoredRequest.decode(document, body)
+        except ValueError as exc:
+            stored = StoredRequest("?", "?")
+            error: str | None = str(exc)
+        else:
+            error = None
+        rerun = Rerun(
+            tenant,
+            key,
+            stored,
+            bytes(fingerprint),
+            KeyStatus(status),
+            attempt,
+            generation,
+            reserved,
+        )
+        report = KeyReport(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
+        if report.outcome in (SKIPPED, RACED) and rerun.outcome is None:
+            rerun.unreserve(self.store)
+        return report
+
+    def _run(self, rerun: Rerun) -> KeyReport:
+        tenant, key, attempt = rerun.tenant, rerun.key, rerun.attempt
+        try:
+            answered = rerun.run(self.app)
+        except ValueError as exc:
+            if rerun.outcome is None and rerun.store_error is None:
+                return KeyReport(tenant, key, SKIPPED, attempt, str(exc))
+            answered = 500
+        except Exception as exc:  # the view raised and the app propagates it (testing)
+            if rerun.outcome is None and rerun.store_error is None:
+                return KeyReport(tenant, key, SKIPPED, attempt, f"the app raised {exc!r:.300}")
+            answered = 500
+        return self._ending(rerun, answered)
+
+    def _ending(self, rerun: Rerun, answered: int) -> KeyReport:
+        tenant, key = rerun.tenant, rerun.key
+        if rerun.store_error is not None:
+            raise rerun.store_error
+        if rerun.skipped is not None:
+            return KeyReport(tenant, key, SKIPPED, rerun.attempt, rerun.skipped)
+        outcome = rerun.outcome
+        if outcome is None:
+            if rerun.raced:
+                return KeyReport(tenant, key, RACED, rerun.attempt, "the key changed meanwhile")
+            return KeyReport(tenant, key, SKIPPED, rerun.attempt, _not_reached(rerun, answered))
+        if not outcome.owns_key:
+            return KeyReport(tenant, key, MARKED_UNKNOWN, outcome.attempt, "ON_ABANDONED=unknown")
+        with self.store.connection() as conn:
+            now = conn.execute(self.store.render(KEY_STATE), {"tenant": tenant, "key": key})
+            row = now.fetchone()
+        if row is None or row[1] != outcome.attempt or row[0] == KeyStatus.PROCESSING.value:
+            return KeyReport(tenant, key, FENCED, outcome.attempt, "another attempt holds the key")
+        detail = f"status {row[2]}" if row[2] is not None else f"answered {answered}"
+        return KeyReport(tenant, key, row[0], outcome.attempt, detail)
+
+    def _report(self, report: KeyReport) -> KeyReport:
+        """Log and signal one key's outcome."""
+        app = self.app
+        who: dict[str, Any] = {"tenant": report.tenant, "key": report.key}
+        if report.outcome == SKIPPED:
+            logger.error(
+                "completer=skipped tenant=%r key=%r reason=%s",
+                report.tenant,
+                report.key,
+                report.detail,
+            )
+            signals.completer_skipped.send(app, **who, reason=report.detail)
+            return report
+        logger.info(
+            "completer=%s tenant=%r key=%r attempt=%d",
+            report.outcome,
+            report.tenant,
+            report.key,
+            report.attempt,
+        )
+        if report.outcome in (COMPLETED, RELEASED, UNKNOWN, MARKED_UNKNOWN):
+            signals.completer_finished.send(
+                app, **who, attempt=report.attempt, status=report.outcome
+            )
+        return report
+
+
+def _not_reached(rerun: Rerun, answered: int) -> str:
+    stored = rerun.stored
+    if answered in (404, 405):
+        where = f"{stored.method} {stored.path!r}"
+        return f"no route answers {where} any more (the app answered {answered})"
+    return (
+        f"the app answered {answered} before an idempotent view ran (a before_request"
+        " hook? see completing() in the README)"
+    )
+
+
+def summary(reports: list[KeyReport]) -> str:
+    """One line for a batch: how many keys ended how."""
+    counts: dict[str, int] = {}
+    for report in reports:
+        counts[report.outcome] = counts.get(report.outcome, 0) + 1
+    parts = [f"{counts.get(name, 0)} {name}" for name in (COMPLETED, RELEASED, UNKNOWN)]
+    parts += [
+        f"{counts[name]} {name}" for name in (MARKED_UNKNOWN, RACED, FENCED) if name in counts
+    ]
+    parts.append(f"{counts.get(SKIPPED, 0)} skipped")
+    return f"{len(reports)} due: " + ", ".join(parts)

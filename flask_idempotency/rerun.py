@@ -1,0 +1,292 @@
+"""Running a stored request again without its client, through the real app.
+
+The completer (and later anything that runs a key's view in the background) makes a
+:class:`Rerun` of a key and calls :meth:`Rerun.run`: a WSGI request rebuilt from the
+stored one goes through the app itself (WSGI middleware, ``before_request`` and
+``after_request`` hooks, error handlers, blueprints), in a fresh context so nothing of
+one key's ``g`` leaks into the next. The ``@idempotent`` wrapper finds the rerun in
+the environ (no client can put it there) and calls :meth:`Rerun.begin` instead of the
+claim: the tenant loader must name the key's tenant, the route must still have
+``complete=True``, the rebuilt request must match the key's fingerprint; then the key
+is taken over as a client retry would take it (the next attempt, fenced), the view
+runs, and :mod:`.ending` stores its response as for any request.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import datetime
+from typing import Any
+
+from flask import Flask, Response, current_app, has_request_context, request
+from flask.testing import EnvironBuilder
+from werkzeug.datastructures import Headers
+from werkzeug.exceptions import HTTPException
+from werkzeug.test import run_wsgi_app
+
+from .answers import answer
+from .claim import ClaimedKey, set_claim
+from .config import RouteSettings
+from .errors import StoreError, StoreUnavailable
+from .keys import lock_id
+from .model import ClaimOutcome, Decision, KeyStatus
+from .postgres import PinnedConnection, PostgresStore, store_errors
+from .queries import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
+from .state import IdempotencyState, get_state
+from .stored_request import StoredRequest
+
+#: the environ key that marks a rebuilt request (HTTP clients can only set HTTP_* keys)
+ENVIRON_KEY = "flask_idempotency.rerun"
+#: the attribute ``@idempotent`` sets on its wrapper: the route's options
+ROUTE_ATTRIBUTE = "idempotency_route_options"
+
+
+@dataclasses.dataclass
+class Rerun:
+    """A key whose stored request runs again without its client.
+
+    Inside the rebuilt request, :func:`completing` returns it: ``.tenant`` and
+    ``.key`` name the key being completed.
+    """
+
+    #: the key's tenant, as stored
+    tenant: str
+    #: the key
+    key: str
+    stored: StoredRequest
+    fingerprint: bytes
+    #: the key's row as the batch saw it: the takeover is fenced by it
+    status: KeyStatus
+    attempt: int
+    generation: int
+    #: the batch's reservation of the key (its ``locked_until``): the takeover's fence
+    reserved: datetime.datetime | None = None
+    #: set by :meth:`begin`: the claim this run made, why it did not run the view,
+    #: whether the key had changed meanwhile, or the store's failure
+    outcome: ClaimOutcome | None = None
+    skipped: str | None = None
+    raced: bool = False
+    store_error: StoreError | None = None
+
+    # -- running it --------------------------------------------------------------------
+
+    def run(self, app: Flask) -> int:
+        """Send the rebuilt request through *app*; the status code it answered.
+
+        :raises ValueError: the stored request cannot be rebuilt.
+        :raises Exception: whatever the app raised (with ``PROPAGATE_EXCEPTIONS``).
+        """
+        environ = self.environ(app)
+
+        def call() -> int:
+            _, status, _ = run_wsgi_app(app, environ, buffered=True)
+            return int(status.split(None, 1)[0])
+
+        # A fresh context: the request gets its own app context (and g), not the CLI's.
+        return contextvars.Context().run(call)
+
+    def environ(self, app: Flask) -> dict[str, Any]:
+        """The WSGI environ of the rebuilt request.
+
+        :raises ValueError: the stored request cannot be a WSGI request.
+        """
+        stored = self.stored
+        headers = Headers()
+        try:
+            for name, value in stored.headers:
+                headers.add(name, value)
+            builder = EnvironBuilder(
+                app,
+                path="/",
+                method=stored.method,
+                headers=headers,
+                data=stored.body,
+                environ_overrides={
+                    ENVIRON_KEY: self,
+                    # WSGI strings are bytes as latin-1: exactly what the client sent
+                    "PATH_INFO": _wsgi(stored.path),
+                    "SCRIPT_NAME": _wsgi(stored.script_root),
+                    "QUERY_STRING": stored.query.encode("latin-1").decode("latin-1"),
+                    "REMOTE_ADDR": "127.0.0.1",
+                },
+            )
+            environ: dict[str, Any] = builder.get_environ()
+            builder.close()
+        except (ValueError, TypeError, UnicodeError) as exc:
+            raise ValueError(f"the stored request cannot be rebuilt: {exc}") from None
+        header = self._key_header(app, environ)
+        environ["HTTP_" + header.upper().replace("-", "_")] = _sf_string(self.key)
+        return environ
+
+    def _key_header(self, app: Flask, environ: dict[str, Any]) -> str:
+        """The key's header on the route the request goes to (``IDEMPOTENCY_HEADER``,
+        or the route's own ``header=``)."""
+        state = get_state(app)
+        adapter = app.create_url_adapter(app.request_class(environ))
+        try:
+            endpoint, _ = adapter.match() if adapter is not None else (None, None)
+        except HTTPException:
+            return state.settings.route.header
+        options = getattr(app.view_functions.get(str(endpoint)), ROUTE_ATTRIBUTE, None)
+        if options is None:
+            return state.settings.route.header
+        return state.route_settings(options).header
+
+    # -- inside the rebuilt request ----------------------------------------------------
+
+    def begin(
+        self,
+        state: IdempotencyState,
+        settings: RouteSettings,
+        transactional: bool,
+        identity: Any,
+    ) -> Response | None:
+        """Claim the key for this run (the ``@idempotent`` wrapper's first step):
+        ``None`` to run the view, else the answer that ends the request."""
+        self.skipped = self._refusal(settings, identity)
+        if self.skipped is not None:
+            return _ended(f"not run: {self.skipped}")
+        try:
+            outcome, pinned = self._claim(state.store, settings, transactional)
+        except StoreError as exc:
+            self.store_error = exc
+            raise settings.problem(StoreUnavailable, "The store failed.") from exc
+        if outcome is None:
+            self.raced = True
+            return _ended("not run: the key changed meanwhile")
+        self.outcome = outcome
+        if outcome.owns_key:
+            claim = ClaimedKey(self.tenant, self.key, outcome, settings, state.store, pinned=pinned)
+            set_claim(claim)
+        return answer(settings, self.tenant, self.key, outcome, 0.0, 0.0)
+
+    def _refusal(self, settings: RouteSettings, identity: Any) -> str | None:
+        """Why this route must not run this key, or None."""
+        if not settings.complete:
+            return "the route no longer has complete=True"
+        if identity is None or identity.key != self.key:
+            return f"the route does not read the key from the {settings.header} header"
+        if identity.tenant != self.tenant:
+            return (
+                f"the tenant loader named tenant {identity.tenant!r}, not the key's tenant"
+                f" {self.tenant!r}: a key never runs under another tenant"
+            )
+        if identity.fingerprint != self.fingerprint:
+            return (
+                "the rebuilt request does not match the key's fingerprint (its path, body"
+                " or Content-Type differ from the stored request's)"
+            )
+        return None
+
+    def _claim(
+        self, store: PostgresStore, settings: RouteSettings, transactional: bool
+    ) -> tuple[ClaimOutcome | None, PinnedConnection | None]:
+        """Take the key over as a client retry would, or mark it unknown (an abandoned
+        claim on a route with ``ON_ABANDONED = "unknown"``); None if it changed."""
+        params: dict[str, Any] = {
+            "tenant": self.tenant,
+            "key": self.key,
+            "attempt": self.attempt,
+            "generation": self.generation,
+            "reserved": self.reserved,
+        }
+        if self.status is KeyStatus.PROCESSING and settings.on_abandoned == "unknown":
+            with store.connection() as conn:
+                marked = conn.execute(store.render(MARK_UNKNOWN), params).rowcount
+            if not marked:
+                return None, None
+            return ClaimOutcome(Decision.MARKED_UNKNOWN, attempt=self.attempt), None
+        params.update(
+            fingerprint=self.fingerprint,
+            lease=settings.lease,
+            ttl=settings.ttl,
+            lock_id=lock_id(self.tenant, self.key),
+        )
+        pinned = store.pin() if transactional else None
+        try:
+            row = self._take_over(store, params, pinned)
+        except BaseException:
+            if pinned is not None:
+                store.unpin(pinned, commit=False)
+            raise
+        if row is None:
+            if pinned is not None:
+                store.unpin(pinned, commit=False)
+            return None, None
+        outcome = ClaimOutcome(
+            Decision.TAKEN_OVER,
+            fingerprint=self.fingerprint,
+            attempt=row[0],
+            generation=row[1],
+            recovery_point=row[2],
+            previous_attempt=self.attempt,
+            previous_status=self.status,
+        )
+        return outcome, pinned
+
+    def unreserve(self, store: PostgresStore) -> None:
+        """Leave a key that was not run as it was: end the batch's reservation."""
+        params = {
+            "tenant": self.tenant,
+            "key": self.key,
+            "attempt": self.attempt,
+            "generation": self.generation,
+            "reserved": self.reserved,
+        }
+        with store.connection() as conn:
+            conn.execute(store.render(UNRESERVE), params)
+
+    @staticmethod
+    def _take_over(
+        store: PostgresStore, params: dict[str, Any], pinned: PinnedConnection | None
+    ) -> tuple[Any, ...] | None:
+        query = store.render(TAKE_OVER)
+        if pinned is not None:
+            with store_errors():
+                return pinned.conn.execute(query, params).fetchone()
+        with store.connection() as conn:
+            return conn.execute(query, params).fetchone()
+
+
+def current_rerun() -> Rerun | None:
+    """The rerun the current request is, or None (a client's request)."""
+    if not has_request_context():
+        return None
+    rerun = request.environ.get(ENVIRON_KEY)
+    return rerun if isinstance(rerun, Rerun) else None
+
+
+def completing() -> Rerun | None:
+    """Inside a request, the key that ``flask idempotency-complete`` is completing, or
+    ``None`` for a client's request.
+
+    The completer runs a stored request without its client: no credentials come with
+    it (unless the app stored them). An app whose views need more than the tenant
+    restores it from ``.tenant`` (the tenant the key was claimed under) and ``.key``,
+    in its own ``before_request`` hook::
+
+        @app.before_request
+        def authenticate():
+            rerun = completing()
+            if rerun is not None:
+                g.account = load_account(rerun.tenant)
+                return
+            ...
+    """
+    return current_rerun()
+
+
+def _ended(text: str) -> Response:
+    response: Response = current_app.response_class(text, 409, mimetype="text/plain")
+    return response
+
+
+def _wsgi(text: str) -> str:
+    """*text* as a WSGI environ string: its UTF-8 bytes, as latin-1."""
+    return text.encode("utf-8").decode("latin-1")
+
+
+def _sf_string(key: str) -> str:
+    """*key* as an RFC 8941 sf-string, so that any key comes back exactly."""
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
