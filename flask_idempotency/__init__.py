@@ -25,9 +25,11 @@ from .errors import (
 from .extension import Idempotency
 from .jobs import Job
 from .model import KeyStatus
+from .reconciler import RETRYABLE, UnknownKey
 from .rerun import completing
 
 __all__ = [
+    "RETRYABLE",
     "AttemptSuperseded",
     "ClaimedKey",
     "ConfigError",
@@ -47,6 +49,7 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",
+    "UnknownKey",
     "StoredFailure",
     "completing",
     "current_idempotency",

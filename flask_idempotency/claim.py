@@ -140,11 +140,17 @@ class ClaimedKey:
         Different *name*\\ s give different keys; a key used afresh after it expired
         gives new ones.
         """
-        material = "\x00".join((self.tenant, self.key, str(self.outcome.generation), name))
-        return hashlib.sha256(material.encode()).hexdigest()
+        return derived_key(self.tenant, self.key, self.outcome.generation, name)
 
     def __repr__(self) -> str:
         return f"<ClaimedKey tenant={self.tenant!r} key={self.key!r} attempt={self.attempt}>"
+
+
+def derived_key(tenant: str, key: str, generation: int, name: str) -> str:
+    """The downstream key *name* of a key: the same on every attempt (and for its
+    reconciler), new when the key is used afresh after it expired."""
+    material = "\x00".join((tenant, key, str(generation), name))
+    return hashlib.sha256(material.encode()).hexdigest()
 
 
 def set_claim(claim: ClaimedKey) -> None:

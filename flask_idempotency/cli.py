@@ -14,6 +14,7 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
+from . import signals
 from .dispatch import Dispatcher
 from .errors import StoreError
 from .loop import run_every
@@ -40,7 +41,11 @@ def _maintenance() -> Maintenance:
     return get_state().maintenance
 
 
-@click.command("idempotency-init", help="Create the idempotency table and its indexes if missing.")
+@click.command(
+    "idempotency-init",
+    help="Create the idempotency tables and their indexes if missing, or upgrade tables made"
+    " by an earlier release online (no long lock).",
+)
 @with_appcontext
 def init_command() -> None:
     store = _store()
@@ -50,7 +55,12 @@ def init_command() -> None:
     except Exception as exc:  # one line for the operator, not a traceback
         raise click.ClickException(f"cannot create the schema: {exc}") from exc
     table = store.settings.table
-    click.echo(f"created table {table}" if created else f"table {table} already exists")
+    if not created:
+        click.echo(f"table {table} already exists")
+    elif store.schema.upgraded:
+        click.echo(f"upgraded table {table}: {', '.join(store.schema.upgraded)}")
+    else:
+        click.echo(f"created table {table}")
 
 
 @click.command(
@@ -98,6 +108,8 @@ def clean_command(batch_size: int, margin: float, dry_run: bool) -> None:
         f"deleted {deleted} expired keys; marked {marked} abandoned claims {abandoned_status.value}"
     )
     current_app.logger.info("idempotency-clean deleted=%d marked=%d", deleted, marked)
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
 
 
 def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
@@ -136,6 +148,11 @@ def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
     is_flag=True,
     help="List the staged jobs whose last hand-over failed (or whose name no dispatcher knows).",
 )
+@click.option(
+    "--exhausted",
+    is_flag=True,
+    help="List the 'unknown' keys whose reconciliation gave up (the dead-letter list) instead.",
+)
 @with_appcontext
 def list_command(
     status: str | None,
@@ -144,8 +161,12 @@ def list_command(
     limit: int,
     dead_jobs: bool,
     failing_jobs: bool,
+    exhausted: bool,
 ) -> None:
     maintenance = _maintenance()
+    if exhausted:
+        _list_exhausted(maintenance, limit)
+        return
     if dead_jobs or failing_jobs:
         _list_jobs(maintenance, dead=dead_jobs, limit=limit)
         return
@@ -180,6 +201,21 @@ def _list_jobs(maintenance: Maintenance, *, dead: bool, limit: int) -> None:
             f" {row['attempts']:>5}  {_first_line(row['last_error'])}"
         )
     click.echo(f"{len(rows)} {'dead' if dead else 'failing'} job(s)")
+
+
+def _list_exhausted(maintenance: Maintenance, limit: int) -> None:
+    max_attempts = get_state().settings.reconcile_max_attempts
+    try:
+        rows = maintenance.list_exhausted(max_attempts, limit)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{'TENANT':<16} {'KEY':<40} {'ATTEMPT':>7} {'LOOKS':>5}  LAST ERROR")
+    for row in rows:
+        click.echo(
+            f"{row['tenant'] or '-':<16} {row['key']:<40} {row['attempt']:>7}"
+            f" {row['reconcile_attempts']:>5}  {_first_line(row['reconcile_error'])}"
+        )
+    click.echo(f"{len(rows)} exhausted key(s)")
 
 
 def _first_line(text: str | None) -> str:

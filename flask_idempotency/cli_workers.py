@@ -19,6 +19,7 @@ from flask.cli import with_appcontext
 from .completer import Completer, summary
 from .errors import StoreError
 from .loop import run_every
+from .reconciler import Reconciliation
 from .state import get_state
 
 logger = logging.getLogger("flask_idempotency")
@@ -93,5 +94,53 @@ def complete_command(
     run_every(interval, tick)
 
 
+@click.command(
+    "idempotency-reconcile",
+    help="Ask the registered reconciler about the 'unknown' keys that are due: resolve each"
+    " as completed or retryable, or look again later with exponential back-off. Safe on"
+    " every host at once.",
+)
+@_LIMIT
+@_LOOP
+@with_appcontext
+def reconcile_command(limit: int, interval: float | None) -> None:
+    state = get_state()
+    fn = state.extension.reconcile_key
+    if fn is None:
+        raise click.ClickException(
+            "no reconciler is registered: decorate a function with @idempotency.reconciler"
+        )
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    reconciliation = Reconciliation(app, state, fn)
+
+    def tick() -> None:
+        seen: set[tuple[str, str]] = set()
+        while True:  # once: every due key; with --loop: one batch a tick
+            try:
+                looks = reconciliation.run_batch(limit)
+            except StoreError as exc:
+                raise click.ClickException(str(exc)) from exc
+            counts: dict[str, int] = {}
+            for look in looks:
+                click.echo(look.line())
+                counts[look.outcome] = counts.get(look.outcome, 0) + 1
+            line = f"{len(looks)} due: " + ", ".join(
+                f"{counts.get(name, 0)} {name}"
+                for name in OUTCOMES
+                if counts.get(name) or name in OUTCOMES[:3]
+            )
+            click.echo(f"idempotency-reconcile: {line}")
+            logger.info("idempotency-reconcile batch: %s", line)
+            fresh = {(look.key.tenant, look.key.key) for look in looks} - seen
+            seen |= fresh
+            if interval is not None or len(looks) < limit or not fresh:
+                return
+
+    run_every(interval, tick)
+
+
+#: a reconcile batch's outcomes, in the order its summary line gives them
+OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced")
+
 #: the commands of this module, registered with cli.COMMANDS
-COMMANDS = (complete_command,)
+COMMANDS = (complete_command, reconcile_command)

@@ -19,7 +19,7 @@ from flask import Flask
 from . import signals
 from .model import KeyStatus
 from .postgres import PostgresStore
-from .queries import COUNT_DUE_FOR_COMPLETION, DUE_FOR_COMPLETION, KEY_STATE
+from .queries_background import COUNT_DUE_FOR_COMPLETION, DUE_FOR_COMPLETION, KEY_STATE
 from .rerun import Rerun
 from .stored_request import StoredRequest
 

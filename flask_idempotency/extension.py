@@ -25,6 +25,7 @@ from .ending import after_request, record_exception, teardown_request
 from .errors import ConfigError
 from .handler import begin
 from .postgres import PostgresStore
+from .reconciler import RETRYABLE, ReconcileFunction, resolve
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
 
@@ -32,6 +33,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 D = TypeVar("D", bound="DispatchFunction")
+RF = TypeVar("RF", bound="ReconcileFunction")
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -50,8 +52,14 @@ class Idempotency:
         extension opens from ``IDEMPOTENCY_DATABASE_URL``; see :meth:`init_app`.
     """
 
+    #: A reconciler's answer: the key's request provably had no effect, and the key
+    #: becomes ``retryable`` (see :meth:`reconciler`).
+    RETRYABLE = RETRYABLE
+
     def __init__(self, app: Flask | None = None, *, pool: ConnectionPool[Any] | None = None):
         self._tenant_loader: Callable[[], str] | None = None
+        #: settles ``unknown`` keys (see :meth:`reconciler`)
+        self.reconcile_key: ReconcileFunction | None = None
         #: hands committed staged jobs to a queue (see :meth:`dispatcher`)
         self.dispatch_job: DispatchFunction | None = None
         if app is not None:
@@ -162,6 +170,43 @@ class Idempotency:
         """
         self.dispatch_job = fn
         return fn
+
+    def reconciler(self, fn: RF) -> RF:
+        """Register ``fn(key)``, which finds out what became of an ``unknown`` key;
+        ``flask idempotency-reconcile`` runs it on the keys that are due. *key* has
+        ``.tenant``, ``.key``, ``.attempt``, ``.recovery_point``, ``.looks``,
+        ``.downstream_key(name)`` (the one the view passed on) and ``.request`` (the
+        stored request of a ``complete=True`` route, else None). It returns:
+
+        - anything a view may return: the key is ``completed`` with that response;
+        - ``idempotency.RETRYABLE``: proven not executed, the key becomes ``retryable``;
+        - ``None``: still unknown; the next look is scheduled with exponential back-off,
+          and after ``IDEMPOTENCY_RECONCILE_MAX_ATTEMPTS`` undecided looks the key is
+          exhausted (``flask idempotency-list --exhausted``). An exception counts as
+          ``None``, and is logged with its traceback.
+        """
+        self.reconcile_key = fn
+        return fn
+
+    def resolve(
+        self, tenant: str, key: str, response: Any = None, *, retryable: bool = False
+    ) -> bool:
+        """Resolve an ``unknown`` key from Python code (a payment provider's webhook):
+        as completed with *response* (anything a view may return, stored as the key's
+        replay) or, with ``retryable=True``, as retryable. Needs an app context, not a
+        request.
+
+        Only an ``unknown`` key changes: a completed key is never overwritten, and a
+        second call (webhooks come at least once) changes nothing.
+
+        :returns: True when the key changed, False otherwise (no such key, or it is not
+            ``unknown``).
+        :raises TypeError: neither or both of *response* and ``retryable=True``.
+        :raises ValueError: *response* cannot be stored.
+        :raises StoreError: the store failed.
+        """
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        return resolve(app, get_state(app), tenant, key, response, retryable)
 
     def run_once(
         self, key: str, fn: Callable[..., T], /, *args: Any, tenant: str = "", **kwargs: Any

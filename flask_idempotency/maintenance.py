@@ -25,6 +25,7 @@ from .queries import (
     RESOLVE_KEY,
     SHOW_KEY,
 )
+from .queries_background import LIST_EXHAUSTED
 
 
 class Maintenance:
@@ -111,12 +112,22 @@ class Maintenance:
                 self.store.render(LIST_JOBS), {"dead": dead, "limit": limit}
             ).fetchall()
 
-    def count_stuck(self) -> tuple[int, int]:
-        """Claims whose lease ran out, and keys in ``unknown``."""
+    def count_stuck(self, max_attempts: int) -> tuple[int, int, int]:
+        """Claims whose lease ran out, keys in ``unknown``, and the unknown keys that
+        had *max_attempts* undecided reconciliation looks (exhausted)."""
         with self.store.connection() as conn:
-            row = conn.execute(self.store.render(COUNT_STUCK), prepare=False).fetchone()
+            params = {"max_attempts": max_attempts}
+            row = conn.execute(self.store.render(COUNT_STUCK), params, prepare=False).fetchone()
         assert row is not None
-        return int(row[0]), int(row[1])
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def list_exhausted(self, max_attempts: int, limit: int) -> list[dict[str, Any]]:
+        """The dead-letter list: unknown keys whose reconciliation gave up."""
+        with self.store.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            params = {"max_attempts": max_attempts, "limit": limit}
+            query = self.store.render(LIST_EXHAUSTED)
+            return cur.execute(query, params, prepare=False).fetchall()
 
     def _rowcount(self, query: str, params: dict[str, Any]) -> int:
         with self.store.connection() as conn:

@@ -242,7 +242,9 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
 
 COUNT_STUCK = """
 SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
-       (SELECT count(*) FROM {table} WHERE status = 'unknown')
+       (SELECT count(*) FROM {table} WHERE status = 'unknown'),
+       (SELECT count(*) FROM {table}
+        WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
 """
 
 COUNT_ABANDONED = """
@@ -317,73 +319,4 @@ FROM {jobs}
 WHERE dead = %(dead)s OR (NOT %(dead)s AND last_error IS NOT NULL)
 ORDER BY created_at
 LIMIT %(limit)s
-"""
-
-# -- the completer (SPEC §9) ----------------------------------------------------------------
-
-# One batch of keys whose client evidently gave up: claims of complete=True routes
-# abandoned past their lease, and retryable ones, untouched for longer than
-# older_than. The batch reserves them (locked_until: a lease held by this completer,
-# the fence of its takeover), so completers on several hosts take disjoint batches; a
-# client retry of a retryable key still wins at once. updated_at marks them looked at:
-# a key that had to be skipped waits behind the others until older_than passes again.
-DUE_FOR_COMPLETION = """
-WITH due AS (
-    SELECT tenant, key FROM {table}
-    WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
-      AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
-      AND coalesce(locked_until, '-infinity') <= now()
-    ORDER BY updated_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
-FROM due WHERE k.tenant = due.tenant AND k.key = due.key
-RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
-          k.request, k.request_body, k.locked_until
-"""
-
-COUNT_DUE_FOR_COMPLETION = """
-SELECT tenant, key, status, attempt FROM {table}
-WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
-  AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
-  AND coalesce(locked_until, '-infinity') <= now()
-ORDER BY updated_at
-LIMIT %(limit)s
-"""
-
-# The completer takes a key over exactly as a client retry would: the next attempt,
-# fenced by its reservation, under the key's advisory lock (a twin claiming the key
-# right now gets 409 at once rather than waiting on the row).
-TAKE_OVER = """
-UPDATE {table}
-SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
-    updated_at = now(), expires_at = now() + %(ttl)s,
-    response_status = NULL, response_headers = NULL, response_body = NULL
-WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
-  AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
-  AND status IN ('retryable', 'processing')
-  AND pg_try_advisory_xact_lock(%(lock_id)s::bigint)
-RETURNING attempt, generation, recovery_point
-"""
-
-# A skipped key is left as it was: its reservation ends (a retryable key holds no
-# lease, an abandoned claim's lease is over).
-UNRESERVE = """
-UPDATE {table}
-SET locked_until = CASE WHEN status = 'processing' THEN now() END
-WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
-  AND (attempt, generation) = (%(attempt)s, %(generation)s)
-"""
-
-# A route with ON_ABANDONED = "unknown": the abandoned claim becomes unknown, as a
-# client retry would make it, and the reconciler takes it from there.
-MARK_UNKNOWN = """
-UPDATE {table} SET status = 'unknown', locked_until = NULL, updated_at = now()
-WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
-  AND (attempt, generation) = (%(attempt)s, %(generation)s) AND locked_until = %(reserved)s
-"""
-
-KEY_STATE = """
-SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """

@@ -32,7 +32,7 @@ from .errors import StoreError, StoreUnavailable
 from .keys import lock_id
 from .model import ClaimOutcome, Decision, KeyStatus
 from .postgres import PinnedConnection, PostgresStore, store_errors
-from .queries import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
+from .queries_background import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
 from .state import IdempotencyState, get_state
 from .stored_request import StoredRequest
 

@@ -90,6 +90,8 @@ class Schema:
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
+        #: the steps the last :meth:`create` ran on an existing table
+        self.upgraded: list[str] = []
         #: the upgrade of a table made by an earlier release, in order
         self.steps: list[Step] = [
             Step("columns", self._lacks_columns, self._add_columns),
@@ -125,6 +127,7 @@ class Schema:
         Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
         when the index exists, which would queue behind live claims.
         """
+        self.upgraded = []
         if self.present(conn):
             return False
         with _autocommit(conn), self._exclusive(conn):
@@ -136,6 +139,7 @@ class Schema:
             for step in work:
                 logger.info("upgrading table %s: %s", self.name, step.name)
                 step.apply(conn)
+                self.upgraded.append(step.name)
         if work:
             logger.info("upgraded table %s: %s", self.name, ", ".join(s.name for s in work))
         return bool(work)

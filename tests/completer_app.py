@@ -139,5 +139,20 @@ def create_app(database_url: str, **config: Any) -> Flask:
             raise RuntimeError("crash")
         return {"attempt": attempt}, 201
 
+    @shop.post("/risky")
+    @idempotency.idempotent(complete=True, on_exception="unknown")
+    def risky() -> tuple[dict[str, Any], int]:
+        """Charges (with X-Charge: yes), then fails: the outcome is unknown."""
+        attempt = run("risky")
+        if request.headers.get("X-Charge") == "yes":
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute(
+                    "INSERT INTO completer_charges VALUES (%s)",
+                    (current_idempotency.downstream_key("charge"),),
+                )
+        if request.headers.get("X-Fail-At"):
+            raise RuntimeError("the connection to the provider broke")
+        return {"attempt": attempt}, 201
+
     app.register_blueprint(shop)
     return app

@@ -1,0 +1,261 @@
+"""Reconciliation of ``unknown`` keys: ``@idempotency.reconciler``, ``flask
+idempotency-reconcile`` and ``idempotency.resolve()`` (SPEC §9).
+
+A key is due as soon as it becomes ``unknown``. A batch reserves due keys (``FOR
+UPDATE SKIP LOCKED``, for the lease), then asks the reconciler about each outside any
+transaction: an answer resolves the key (a response: ``completed``; :data:`RETRYABLE`:
+``retryable``), ``None`` or an exception schedules the next look with exponential
+back-off by the database's clock, and after ``IDEMPOTENCY_RECONCILE_MAX_ATTEMPTS``
+undecided looks the key is exhausted: it stays ``unknown`` on the dead-letter list.
+Every write is fenced by the look it answers, and only an ``unknown`` key changes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import re
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response
+
+from . import signals
+from .claim import derived_key
+from .config import RouteSettings
+from .dispatch import MAX_BACKOFF
+from .model import KeyStatus, StoredResponse
+from .queries_background import DUE_FOR_RECONCILE, RESCHEDULE
+from .state import IdempotencyState
+from .stored_request import StoredRequest
+
+logger = logging.getLogger("flask_idempotency")
+
+#: an HTTP header name (RFC 9110 token)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+class _Retryable:
+    """The reconciler's answer "proven not executed: a retry may run it"."""
+
+    def __repr__(self) -> str:
+        return "RETRYABLE"
+
+
+#: Returned by a reconciler: the key's request provably had no effect; the key becomes
+#: ``retryable`` and the client's next retry runs the view.
+RETRYABLE: Any = _Retryable()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnknownKey:
+    """An ``unknown`` key, as a reconciler gets it."""
+
+    tenant: str
+    key: str
+    #: the attempt whose outcome is unknown
+    attempt: int
+    generation: int
+    #: the last recovery point that attempt committed
+    recovery_point: str
+    #: undecided looks so far
+    looks: int
+    #: the stored request of a ``complete=True`` route, else None
+    request: StoredRequest | None
+
+    def downstream_key(self, name: str) -> str:
+        """The key :meth:`ClaimedKey.downstream_key` gave the attempts of this key."""
+        return derived_key(self.tenant, self.key, self.generation, name)
+
+
+#: ``fn(key)``: a response (anything a view may return), :data:`RETRYABLE`, or None
+ReconcileFunction = Callable[[UnknownKey], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """What one look at one key did."""
+
+    key: UnknownKey
+    #: ``completed``, ``retryable``, ``undecided``, ``error``, ``exhausted`` or ``raced``
+    outcome: str
+    detail: str = ""
+
+    def line(self) -> str:
+        """The line printed for it."""
+        text = f"{self.outcome} tenant={self.key.tenant!r} key={self.key.key!r}"
+        return f"{text}: {self.detail}" if self.detail else text
+
+
+class Reconciliation:
+    """Runs batches of due ``unknown`` keys of *state*'s app past *reconcile*."""
+
+    def __init__(self, app: Flask, state: IdempotencyState, reconcile: ReconcileFunction) -> None:
+        self.app = app
+        self.state = state
+        self.reconcile = reconcile
+
+    def run_batch(self, limit: int) -> list[Look]:
+        """Reserve up to *limit* due keys and look at each.
+
+        :raises StoreError: the store failed.
+        """
+        settings = self.state.settings
+        store = self.state.store
+        params = {
+            "max_attempts": settings.reconcile_max_attempts,
+            "limit": limit,
+            "hold": settings.route.lease,
+        }
+        with store.connection() as conn:
+            rows = conn.execute(store.render(DUE_FOR_RECONCILE), params).fetchall()
+        return [self._look(_unknown_key(row)) for row in rows]
+
+    def _look(self, key: UnknownKey) -> Look:
+        try:
+            answer = contextvars.Context().run(self._ask, key)
+            if answer is None:
+                return self._reschedule(key, None)
+            if answer is RETRYABLE:
+                return self._resolve(key, KeyStatus.RETRYABLE, None)
+            stored = storable(self.app, answer, self.state.settings.route)
+        except Exception as exc:
+            logger.error(
+                "reconcile=error tenant=%r key=%r look=%d: the reconciler failed\n%s",
+                key.tenant,
+                key.key,
+                key.looks + 1,
+                traceback.format_exc(),
+            )
+            return self._reschedule(key, exc)
+        return self._resolve(key, KeyStatus.COMPLETED, stored)
+
+    def _ask(self, key: UnknownKey) -> Any:
+        """The reconciler's answer, in an app context of its own (its own ``g``)."""
+        with self.app.app_context():
+            return self.reconcile(key)
+
+    def _resolve(self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None) -> Look:
+        changed = self.state.maintenance.resolve(
+            key.tenant,
+            key.key,
+            status,
+            ttl=self.state.settings.route.ttl,
+            response=stored,
+            fence=(key.attempt, key.generation, key.looks),
+        )
+        if not changed:
+            return Look(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
+        announce_resolved(self.app, key.tenant, key.key, status, "reconciler")
+        detail = f"status {stored.status}" if stored is not None else ""
+        return Look(key, status.value, detail)
+
+    def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Look:
+        settings = self.state.settings
+        store = self.state.store
+        text = None if error is None else _text(f"{type(error).__name__}: {error}")[:2000]
+        params = {
+            "tenant": key.tenant,
+            "key": key.key,
+            "attempt": key.attempt,
+            "generation": key.generation,
+            "looks": key.looks,
+            "backoff": settings.reconcile_backoff,
+            "cap": MAX_BACKOFF,
+            "error": text,
+        }
+        with store.connection() as conn:
+            row = conn.execute(store.render(RESCHEDULE), params).fetchone()
+        if row is None:
+            return Look(key, "raced", "the key changed meanwhile")
+        looks, due_in = int(row[0]), float(row[1])
+        who: dict[str, Any] = {"tenant": key.tenant, "key": key.key, "looks": looks}
+        if looks >= settings.reconcile_max_attempts:
+            logger.error(
+                "reconcile=exhausted tenant=%r key=%r looks=%d: the key stays unknown;"
+                " resolve it by hand (flask idempotency-list --exhausted)",
+                key.tenant,
+                key.key,
+                looks,
+            )
+            signals.reconcile_exhausted.send(self.app, **who)
+            return Look(key, "exhausted", f"after {looks} undecided looks")
+        signals.reconcile_scheduled.send(self.app, **who, due_in=due_in, error=error)
+        outcome = "undecided" if error is None else "error"
+        detail = f"look {looks} of {settings.reconcile_max_attempts}; next in {due_in:.1f}s"
+        return Look(key, outcome, detail + (f" ({text})" if text else ""))
+
+
+def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
+    """*answer* (anything a view may return) as the response to store for replay.
+
+    :raises ValueError: it is not a response, or it cannot be stored (a passthrough
+        file, a body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``).
+    """
+    try:
+        response: Response = app.make_response(answer)
+        body = response.get_data()  # a generator is run to its end: nobody streams it
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"not a response that can be stored: {exc}") from None
+    if len(body) > settings.max_response_bytes:
+        raise ValueError(
+            f"a response of {len(body)} bytes exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
+            f" ({settings.max_response_bytes})"
+        )
+    headers = [
+        (n, v) for n, v in response.headers.items() if n.lower() not in settings.excluded_headers
+    ]
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
+            raise ValueError(f"the header {name!r}: {value!r:.80} cannot be sent to a client")
+    return StoredResponse(response.status_code, headers, body)
+
+
+def resolve(
+    app: Flask,
+    state: IdempotencyState,
+    tenant: str,
+    key: str,
+    response: Any,
+    retryable: bool,
+) -> bool:
+    """See :meth:`.Idempotency.resolve`."""
+    if (response is None) == (not retryable):
+        raise TypeError("resolve() takes response=... or retryable=True (one of them)")
+    if not (_text_ok(tenant) and _text_ok(key)):
+        return False  # no key can have such a name
+    status = KeyStatus.RETRYABLE if retryable else KeyStatus.COMPLETED
+    stored = None if retryable else storable(app, response, state.settings.route)
+    ttl = state.settings.route.ttl
+    if not state.maintenance.resolve(tenant, key, status, ttl=ttl, response=stored):
+        return False
+    announce_resolved(app, tenant, key, status, "resolve")
+    return True
+
+
+def announce_resolved(app: Flask, tenant: str, key: str, status: KeyStatus, source: str) -> None:
+    """The log line and the signal of a resolved key."""
+    logger.info(
+        "reconcile=resolved tenant=%r key=%r status=%s by=%s", tenant, key, status.value, source
+    )
+    signals.reconcile_resolved.send(app, tenant=tenant, key=key, status=status.value, source=source)
+
+
+def _unknown_key(row: tuple[Any, ...]) -> UnknownKey:
+    tenant, key, attempt, generation, point, looks, document, body = row
+    try:
+        request = StoredRequest.decode(document, body) if document is not None else None
+    except ValueError:
+        request = None  # a tampered stored request: the reconciler decides without it
+    return UnknownKey(tenant, key, attempt, generation, point, looks, request)
+
+
+def _text_ok(value: Any) -> bool:
+    """*value* is text PostgreSQL can hold (no NUL, no lone surrogate)."""
+    return isinstance(value, str) and "\x00" not in value and value == _text(value)
+
+
+def _text(message: str) -> str:
+    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()

@@ -1,0 +1,224 @@
+"""The online upgrade of a table made by the previous release (0.1.0's DDL, populated):
+``flask idempotency-init`` and the first request's schema check add the new columns and
+indexes without long locks, and the old rows keep working."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import schema_0_1_0
+from flask import Flask
+from helpers import DB, post, wait_until
+from psycopg import sql
+
+from flask_idempotency.fingerprint import fingerprint
+from flask_idempotency.queries import UPGRADE_COLUMNS
+
+ROWS = 50_000
+
+
+def create_old_table(db: DB, table: str) -> None:
+    """The table as 0.1.0 made it, with ROWS keys of every status."""
+    names = {
+        "table": sql.Identifier(table),
+        "expires_index": sql.Identifier(f"{table}_expires_idx"),
+        "lease_index": sql.Identifier(f"{table}_lease_idx"),
+        "unknown_index": sql.Identifier(f"{table}_unknown_idx"),
+        "jobs": sql.Identifier(f"{table}_jobs"),
+        "jobs_due_index": sql.Identifier(f"{table}_jobs_due_idx"),
+    }
+    db.execute(sql.SQL(schema_0_1_0.KEYS).format(**names))
+    db.execute(sql.SQL(schema_0_1_0.JOBS).format(**names))
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (tenant, key, fingerprint, status, attempt, generation, locked_until,"
+            " response_status, response_headers, response_body, expires_at)"
+            " SELECT 't' || (i %% 7), 'old-' || i, '\\x00'::bytea,"
+            " (ARRAY['completed', 'retryable', 'unknown', 'processing'])[1 + i %% 4], 1, 1,"
+            " CASE WHEN i %% 4 = 3 THEN now() + interval '1 hour' END,"
+            " 201, '[[\"Content-Type\", \"text/plain\"]]', 'old body', now() + interval '1 day'"
+            " FROM generate_series(1, %s) AS i"
+        ).format(names["table"]),
+        (ROWS,),
+    )
+
+
+def altering(db: DB) -> bool:
+    """True while a session waits for a lock to ALTER TABLE."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE wait_event_type = 'Lock' AND query LIKE 'ALTER TABLE%%'"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def columns(db: DB, table: str) -> set[str]:
+    rows = db.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+        " AND attnum > 0 AND NOT attisdropped",
+        (table,),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def valid_indexes(db: DB, table: str) -> set[str]:
+    rows = db.execute(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+        " WHERE i.indrelid = to_regclass(%s) AND i.indisvalid",
+        (table,),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+@pytest.fixture
+def old_table(db: DB) -> Iterator[str]:
+    table = f"upgrade_{uuid.uuid4().hex[:8]}"
+    create_old_table(db, table)
+    yield table
+    db.execute(
+        sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
+    )
+
+
+def app_on(make_app: Callable[..., Flask], table: str, **config: Any) -> Flask:
+    return make_app(IDEMPOTENCY_TABLE=table, IDEMPOTENCY_JOBS_TABLE=f"{table}_jobs", **config)
+
+
+def test_init_upgrades_a_populated_old_table_online(
+    make_app: Callable[..., Flask], db: DB, old_table: str, database_url: str
+) -> None:
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    new_columns = {name for name, _ in UPGRADE_COLUMNS}
+    assert not new_columns & columns(db, old_table)
+
+    # The old release keeps writing while the upgrade runs: its statements never wait long.
+    stop = threading.Event()
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def old_release_traffic() -> None:
+        try:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                query = sql.SQL(
+                    "UPDATE {} SET updated_at = now() WHERE tenant = 't1' AND key = %s"
+                ).format(sql.Identifier(old_table))
+                i = 0
+                while not stop.is_set():
+                    started = time.monotonic()
+                    conn.execute(query, (f"old-{1 + 7 * (i % 1000)}",))
+                    latencies.append(time.monotonic() - started)
+                    i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    traffic = threading.Thread(target=old_release_traffic)
+    traffic.start()
+    try:
+        started = time.monotonic()
+        result = app.test_cli_runner().invoke(args=["idempotency-init"])
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        traffic.join(10)
+    assert result.exit_code == 0, result.output
+    assert f"upgraded table {old_table}" in result.output
+    assert not errors
+    assert len(latencies) > 10
+    print(
+        f"upgrade of {ROWS} rows took {took:.2f} s; old writes: {len(latencies)}, "
+        f"max {max(latencies) * 1000:.1f} ms"
+    )
+    assert max(latencies) < 1.0
+    assert new_columns <= columns(db, old_table)
+    assert f"{old_table}_complete_idx" in valid_indexes(db, old_table)
+    defaults = db.execute(
+        sql.SQL("SELECT count(*), sum(reconcile_attempts) FROM {} WHERE request IS NULL").format(
+            sql.Identifier(old_table)
+        )
+    ).fetchone()
+    assert defaults == (ROWS, 0)
+    again = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert again.exit_code == 0 and "already exists" in again.output
+
+
+def test_the_first_request_upgrades_and_old_keys_still_replay(
+    make_app: Callable[..., Flask], db: DB, old_table: str
+) -> None:
+    body = b'{"amount": 100}'
+    digest = fingerprint("POST", "/payments", "application/json", body)
+    db.execute(  # 'old-4' is completed in tenant 't4'; give it the empty tenant
+        sql.SQL("UPDATE {} SET tenant = '', fingerprint = %s WHERE key = 'old-4'").format(
+            sql.Identifier(old_table)
+        ),
+        (digest,),
+    )
+    app = app_on(make_app, old_table)
+    replay = post(app.test_client(), "/payments", "old-4")
+    assert replay.status_code == 201
+    assert replay.data == b"old body"
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    fresh = post(app.test_client(), "/payments", f"new-{uuid.uuid4()}")
+    assert fresh.status_code == 201
+    assert {name for name, _ in UPGRADE_COLUMNS} <= columns(db, old_table)
+
+
+def test_the_upgrade_gives_way_to_a_long_transaction_instead_of_queueing_claims(
+    make_app: Callable[..., Flask], db: DB, old_table: str, database_url: str
+) -> None:
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    table = sql.Identifier(old_table)
+    with psycopg.connect(database_url) as blocker:
+        # A long transaction reads the table: ALTER TABLE must wait for it.
+        blocker.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+        outcome: dict[str, Any] = {}
+        init = threading.Thread(
+            target=lambda: outcome.update(
+                result=app.test_cli_runner().invoke(args=["idempotency-init"])
+            )
+        )
+        init.start()
+        wait_until(lambda: altering(db), timeout=20)  # it waits for its lock
+        waits = []
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            for i in range(5):
+                started = time.monotonic()
+                conn.execute(
+                    sql.SQL("UPDATE {} SET updated_at = now() WHERE key = %s").format(table),
+                    (f"old-{i}",),
+                )
+                waits.append(time.monotonic() - started)
+                time.sleep(0.3)
+        assert init.is_alive()  # still trying, not done: the blocker holds the table
+        blocker.rollback()
+    init.join(60)
+    print(f"writes during the blocked upgrade waited at most {max(waits):.2f} s")
+    # A claim waits at most one lock_timeout (1 s) behind the upgrade's attempt.
+    assert max(waits) < 1.5
+    assert outcome["result"].exit_code == 0, outcome["result"].output
+    assert {name for name, _ in UPGRADE_COLUMNS} <= columns(db, old_table)
+
+
+def test_an_invalid_index_left_by_a_failed_build_is_built_again(
+    make_app: Callable[..., Flask], db: DB, old_table: str
+) -> None:
+    index = f"{old_table}_complete_idx"
+    with pytest.raises(psycopg.errors.UniqueViolation):  # fails: leaves an INVALID index
+        db.execute(
+            sql.SQL("CREATE UNIQUE INDEX CONCURRENTLY {} ON {} (status)").format(
+                sql.Identifier(index), sql.Identifier(old_table)
+            )
+        )
+    assert index not in valid_indexes(db, old_table)
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert result.exit_code == 0, result.output
+    assert index in valid_indexes(db, old_table)
+    definition = db.execute("SELECT pg_get_indexdef(to_regclass(%s))", (index,)).fetchone()
+    assert definition is not None and "request IS NOT NULL" in definition[0]
+    assert "UNIQUE" not in definition[0]
