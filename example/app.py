@@ -7,11 +7,18 @@ Without ``DATABASE_URL`` it starts an embedded PostgreSQL in ``example/.pgdata``
   charges the fake provider with ``current_idempotency.downstream_key("charge")``;
 - ``GET /payments/<id>``;
 - ``POST /v1/charges`` (form-encoded, Stripe's shape), so Stripe's own SDK can be the client;
+- ``POST /provider/webhooks``: the fake provider's webhook (``charge.succeeded``), which
+  resolves an ``unknown`` payment key with ``idempotency.resolve``;
 - the tenant is the API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``.
+
+``POST /payments`` has ``complete=True``: ``flask --app example.app:create_app
+idempotency-complete`` finishes payments whose clients gave up, and ``idempotency-reconcile``
+asks the provider about payments whose outcome is unknown.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import signal
 import sys
@@ -26,7 +33,7 @@ from werkzeug.exceptions import HTTPException
 
 from example.provider import SCHEMA as PROVIDER_SCHEMA
 from example.provider import FakeProvider
-from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
 
 idempotency = Idempotency()
 
@@ -94,9 +101,16 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
 
     @app.before_request
     def authenticate() -> None:
+        rerun = completing()
+        if rerun is not None:
+            # flask idempotency-complete runs a stored payment without its client, and
+            # without its API key (never stored): the account is the key's tenant.
+            g.account = rerun.tenant
+            return
         auth = request.headers.get("Authorization", "")
         g.account = auth.removeprefix("Bearer ").strip() or request.headers.get("X-API-Key")
-        if not g.account and request.endpoint not in (None, "static"):
+        public = (None, "static", "provider_webhook")  # the webhook is signed instead
+        if not g.account and request.endpoint not in public:
             abort(401, "Send your API key as 'Authorization: Bearer <key>' or 'X-API-Key'.")
 
     @app.errorhandler(HTTPException)
@@ -122,35 +136,88 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
                 crash_point("inside_created")
         crash_point("after_created")
         if point != "charge_recorded":
+            metadata = {"tenant": g.account, "key": current_idempotency.key}
             charge_id = provider.charge(
-                current_idempotency.downstream_key("charge"), amount, currency
+                current_idempotency.downstream_key("charge"), amount, currency, metadata
             )
             crash_point("after_charge")
             with current_idempotency.phase("charge_recorded") as conn:
-                conn.execute(
-                    "UPDATE payments SET charge_id = %s, status = 'succeeded'"
-                    " WHERE tenant = %s AND idempotency_key = %s",
-                    (charge_id, g.account, current_idempotency.key),
-                )
+                record_charge(conn, g.account, current_idempotency.key, charge_id)
         crash_point("after_recorded")
+        payment = load_payment(g.account, current_idempotency.key)
+        assert payment is not None
+        return payment
+
+    def record_charge(conn: Any, account: str, key: str, charge_id: str) -> None:
+        conn.execute(
+            "UPDATE payments SET charge_id = %s, status = 'succeeded'"
+            " WHERE tenant = %s AND idempotency_key = %s",
+            (charge_id, account, key),
+        )
+
+    def load_payment(account: str, key: str) -> dict[str, Any] | None:
         with db().connection() as conn:
             row = conn.execute(
                 "SELECT id::text, amount, currency, charge_id, status FROM payments"
                 " WHERE tenant = %s AND idempotency_key = %s",
-                (g.account, current_idempotency.key),
+                (account, key),
             ).fetchone()
-        assert row is not None
-        return dict(row)
+        return dict(row) if row is not None else None
+
+    def payment_answer(payment: dict[str, Any]) -> tuple[dict[str, Any], int, dict[str, str]]:
+        """What POST /payments answers: the view, the reconciler and the webhook alike."""
+        return payment, 201, {"Location": f"/payments/{payment['id']}"}
+
+    def settle(account: str, key: str, charge_id: str) -> Any:
+        """The provider charged: record it locally; the payment's answer, or None when
+        there is no local payment (a person must look)."""
+        with db().connection() as conn:
+            record_charge(conn, account, key, charge_id)
+        payment = load_payment(account, key)
+        return payment_answer(payment) if payment is not None else None
 
     @app.post("/payments")
-    @idempotency.idempotent
+    @idempotency.idempotent(complete=True)  # flask idempotency-complete finishes it
     def create_payment() -> tuple[dict[str, Any], int, dict[str, str]]:
         body = request.get_json(silent=True) or {}
         amount, currency = body.get("amount"), body.get("currency", "eur")
         if not isinstance(amount, int) or amount <= 0 or not isinstance(currency, str):
             abort(400, "amount must be a positive integer (cents) and currency a string")
-        payment = charge(amount, currency)
-        return payment, 201, {"Location": f"/payments/{payment['id']}"}
+        return payment_answer(charge(amount, currency))
+
+    @idempotency.reconciler
+    def reconcile(key: UnknownKey) -> Any:
+        """A payment whose outcome is unknown: ask the provider by the downstream key."""
+        db()  # the reconciler runs in an app context of its own, outside any request
+        found = provider.find(key.downstream_key("charge"))
+        if found is None:
+            return idempotency.RETRYABLE  # never charged: the client's retry may run it
+        if found["status"] != "succeeded":
+            return None  # the provider has not settled it yet: look again later
+        return settle(key.tenant, key.key, found["charge_id"])
+
+    @app.post("/provider/webhooks")
+    def provider_webhook() -> dict[str, Any]:
+        """The provider tells us a charge succeeded (at least once): the authoritative
+        source for an ``unknown`` payment, ahead of the reconciler."""
+        secret = app.config.get("EXAMPLE_WEBHOOK_SECRET", "whsec_example")
+        signature = request.headers.get("Provider-Signature", "")
+        if not hmac.compare_digest(signature.encode(), secret.encode()):
+            abort(401, "bad webhook signature")
+        event = request.get_json(silent=True) or {}
+        db()
+        # Fetch the charge from the provider rather than trusting the event's body.
+        found = provider.get(str(event.get("charge", "")))
+        if event.get("type") != "charge.succeeded" or found is None:
+            return {"received": True, "resolved": False}
+        if found["status"] != "succeeded":
+            return {"received": True, "resolved": False}
+        account, key = found["metadata"].get("tenant"), found["metadata"].get("key")
+        answer = settle(account, key, found["charge_id"]) if account and key else None
+        if answer is None:
+            return {"received": True, "resolved": False}
+        # True once: a webhook delivered twice, or a key already completed, changes nothing.
+        return {"received": True, "resolved": idempotency.resolve(account, key, response=answer)}
 
     @app.post("/payments/<uuid:payment_id>/refunds")
     @idempotency.idempotent(transactional=True)

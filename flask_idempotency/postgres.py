@@ -220,15 +220,16 @@ class PostgresStore:
     ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         """Claim on a connection pinned for a transactional view; the connection is
         returned only when this request owns the key (else it goes back at once)."""
+        args = (tenant, key, fingerprint, terms, request)
         try:
-            return self._claim_pinned(tenant, key, fingerprint, terms)
+            return self._claim_pinned(*args)
         except StoreError as exc:
             if not self._recoverable(exc.__cause__):
                 raise
-        return self._claim_pinned(tenant, key, fingerprint, terms)
+        return self._claim_pinned(*args)
 
     def _claim_pinned(
-        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings
+        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any
     ) -> tuple[ClaimOutcome, PinnedConnection | None]:
         pinned = self.pin()
         try:

@@ -205,7 +205,7 @@ def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse
             f" ({settings.max_response_bytes})"
         )
     headers = [
-        (n, v) for n, v in response.headers.items() if n.lower() not in settings.excluded_headers
+        (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
     for name, value in headers:
         if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):

@@ -19,8 +19,8 @@ from typing import Any
 import psycopg
 import pytest
 from gunicorn_server import ROOT, GunicornServer, wait_until
+from helpers import create_example_tables
 from psycopg.rows import TupleRow
-from test_e2e_example import create_example_tables
 
 DB = psycopg.Connection[TupleRow]
 APP = "example.app:create_app()"
