@@ -15,12 +15,14 @@ from datetime import timedelta
 from typing import Any
 
 from flask import Flask
+from psycopg import sql
 
 from . import signals
 from .model import KeyStatus
 from .postgres import PostgresStore
-from .queries_background import COUNT_DUE_FOR_COMPLETION, DUE_FOR_COMPLETION, KEY_STATE
+from .queries_background import COUNT_DUE_FOR_COMPLETION, DEFERRED, DUE_FOR_COMPLETION, KEY_STATE
 from .rerun import Rerun
+from .state import get_state
 from .stored_request import StoredRequest
 
 logger = logging.getLogger("flask_idempotency")
@@ -61,8 +63,9 @@ class Completer:
     def due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
         """The keys a batch would take now (for ``--dry-run``); changes nothing."""
         params = {"older_than": older_than, "limit": limit}
+        query = self.store.render(COUNT_DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
         with self.store.connection() as conn:
-            rows = conn.execute(self.store.render(COUNT_DUE_FOR_COMPLETION), params).fetchall()
+            rows = conn.execute(query, params).fetchall()
         names = ("tenant", "key", "status", "attempt")
         return [dict(zip(names, row, strict=True)) for row in rows]
 
@@ -71,9 +74,27 @@ class Completer:
 
         :raises StoreError: the store failed (keys already run keep their ending).
         """
-        params = {"older_than": older_than, "limit": limit, "hold": self.hold}
+        return self._take(older_than, limit, None)
+
+    def run_key(self, tenant: str, key: str, older_than: timedelta) -> KeyReport | None:
+        """Run one key if it is due (a deferred key of an ``asynchronous=True`` route is
+        due at once); None if it is not (done already, or another process runs it)."""
+        reports = self._take(older_than, 1, (tenant, key))
+        return reports[0] if reports else None
+
+    def _take(
+        self, older_than: timedelta, limit: int, only: tuple[str, str] | None
+    ) -> list[KeyReport]:
+        params = {
+            "older_than": older_than,
+            "limit": limit,
+            "hold": self.hold,
+            "only_tenant": only[0] if only else None,
+            "only_key": only[1] if only else None,
+        }
+        query = self.store.render(DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
         with self.store.connection() as conn:
-            rows = conn.execute(self.store.render(DUE_FOR_COMPLETION), params).fetchall()
+            rows = conn.execute(query, params).fetchall()
         return [self._report(self._run_row(row)) for row in rows]
 
     def _run_row(self, row: tuple[Any, ...]) -> KeyReport:
@@ -184,3 +205,11 @@ def summary(reports: list[KeyReport]) -> str:
     ]
     parts.append(f"{counts.get(SKIPPED, 0)} skipped")
     return f"{len(reports)} due: " + ", ".join(parts)
+
+
+def run_deferred(app: Flask, tenant: str, key: str) -> KeyReport | None:
+    """Run one key of *app* now if it is due (a deferred asynchronous key is due at
+    once): what a worker's task does. None if there was nothing to run."""
+    state = get_state(app)
+    completer = Completer(app, state.store, state.settings.route.lease)
+    return completer.run_key(tenant, key, timedelta(seconds=state.settings.complete_after))

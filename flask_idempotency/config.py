@@ -182,6 +182,13 @@ def _in_progress_status(value: Any, key: str) -> int:
     return int(status)
 
 
+def _url_path(value: Any, key: str) -> str:
+    path = _str(value, key)
+    if not path.startswith("/") or path.endswith("/") or any(c in path for c in "<>?# \t\r\n"):
+        raise ConfigError(f"{key} must be a URL path like '/idempotency/keys', got {value!r}.")
+    return path
+
+
 def option(default: Any, convert: Converter) -> Any:
     """Declare a setting: its default as written in ``app.config`` (JSON-friendly, so
     ``app.config.from_prefixed_env()`` works) and its converter."""
@@ -215,10 +222,17 @@ class RouteSettings:
     #: store the request with the claim, so that ``flask idempotency-complete`` can run
     #: it again without its client (SPEC §9)
     complete: bool = option(False, _bool)
+    #: long work: the claiming request defers the view to the background and answers 202
+    #: with a Location to poll (SPEC §10); implies ``complete``
+    asynchronous: bool = option(False, _bool)
     #: the request headers stored with a ``complete=True`` claim (this list replaces
     #: the default: name Content-Type yourself)
     stored_request_headers: frozenset[str] = option(("Content-Type",), _header_names)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
+
+    def __post_init__(self) -> None:
+        if self.asynchronous and not self.complete:  # it runs from the stored request
+            object.__setattr__(self, "complete", True)
 
     @functools.cached_property
     def unstored_headers(self) -> frozenset[str]:
@@ -271,6 +285,8 @@ class Settings:
     reconcile_backoff: timedelta = option(5, _duration)
     #: failed hand-overs (or undecided reconciliations) before a job is dead (a key exhausted)
     reconcile_max_attempts: int = option(10, _int_at_least(1))
+    #: where the extension answers the Location of an asynchronous key (``<path>/<key>``)
+    status_path: str = option("/idempotency/keys", _url_path)
     #: ``flask idempotency-complete`` takes keys untouched for this long (``--older-than``)
     complete_after: float = option(300, _seconds)
     #: the app-wide defaults of the per-route settings

@@ -15,6 +15,7 @@ from werkzeug.exceptions import (
     Conflict,
     HTTPException,
     InternalServerError,
+    NotFound,
     RequestEntityTooLarge,
     ServiceUnavailable,
     UnprocessableEntity,
@@ -160,6 +161,15 @@ class OutcomeUnknown(ProblemError, Conflict):
     slug = "outcome-unknown"
     title = "The outcome of the request with this idempotency key is unknown"
     should_retry = False
+
+
+class KeyNotFound(ProblemError, NotFound):
+    """No such key for this tenant (at a key's status ``Location``)."""
+
+    slug = "key-not-found"
+    title = "Idempotency key not found"
+    should_retry = False
+    stripe_type = "invalid_request_error"
 
 
 class StoreUnavailable(ProblemError, ServiceUnavailable):

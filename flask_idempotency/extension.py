@@ -16,6 +16,7 @@ from flask import Flask, current_app, got_request_exception
 from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
+from .asynchronous import register_status_view
 from .cli import COMMANDS
 from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
@@ -96,6 +97,7 @@ class Idempotency:
         got_request_exception.connect(record_exception, app, weak=False)
         for command in (*COMMANDS, *WORKER_COMMANDS):
             app.cli.add_command(command)
+        register_status_view(app, settings.status_path)
 
     def tenant_loader(self, loader: Callable[[], str]) -> Callable[[], str]:
         """Register the function that names the tenant of the current request.

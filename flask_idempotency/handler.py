@@ -20,6 +20,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import signals
 from .answers import answer
+from .asynchronous import answer_asynchronous
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
 from .errors import (
@@ -91,6 +92,12 @@ def begin(
         _store_unavailable(state, settings, identity, transactional, exc)
         return None
     outcome = claim.outcome
+    if settings.asynchronous:
+        deferred = answer_asynchronous(
+            state, settings, identity.tenant, identity.key, outcome, claim.pinned
+        )
+        if deferred is not None:
+            return deferred
     if outcome.owns_key:
         set_claim(
             ClaimedKey(

@@ -18,9 +18,11 @@ from __future__ import annotations
 DUE_FOR_COMPLETION = """
 WITH due AS (
     SELECT tenant, key FROM {table}
-    WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
+    WHERE request IS NOT NULL
+      AND (updated_at <= now() - %(older_than)s OR {deferred})
       AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
       AND coalesce(locked_until, '-infinity') <= now()
+      AND (%(only_key)s::text IS NULL OR (tenant, key) = (%(only_tenant)s, %(only_key)s))
     ORDER BY updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -33,7 +35,7 @@ RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
 
 COUNT_DUE_FOR_COMPLETION = """
 SELECT tenant, key, status, attempt FROM {table}
-WHERE request IS NOT NULL AND updated_at <= now() - %(older_than)s
+WHERE request IS NOT NULL AND (updated_at <= now() - %(older_than)s OR {deferred})
   AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
   AND coalesce(locked_until, '-infinity') <= now()
 ORDER BY updated_at
@@ -74,6 +76,23 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
 
 KEY_STATE = """
 SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+# -- asynchronous=True (SPEC §10) ---------------------------------------------------------
+
+# A key an asynchronous route deferred to the background: processing, with no lease
+# (a client retry sees it in progress; no lease can run out) and due for the completer
+# at once, whatever --older-than says.
+DEFERRED = "(status = 'processing' AND locked_until IS NULL)"
+
+# The request that claimed the key hands it to the background instead of running the
+# view: no lease, and its attempt given back, so the run that takes it over is the
+# attempt the client's own would have been. Fenced like the finish.
+DEFER = """
+UPDATE {table}
+SET locked_until = NULL, attempt = attempt - 1, updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
+  AND attempt = %(attempt)s AND generation = %(generation)s
 """
 
 # -- reconciliation of unknown keys (SPEC §9) ---------------------------------------------

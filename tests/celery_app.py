@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
 );
 CREATE TABLE IF NOT EXISTS celery_gates (name text PRIMARY KEY, pid integer, open boolean);
 CREATE TABLE IF NOT EXISTS dispatched (job text, pid integer);
+CREATE TABLE IF NOT EXISTS exports (key text, attempt integer, pid integer);
 """
 GATE_TIMEOUT = 60.0
 
@@ -65,6 +66,17 @@ def make_apps(database_url: str, broker_url: str) -> tuple[Flask, Celery]:
         job = current_idempotency.stage("send_receipt", {"order": body["order"]})
         return {"order": body["order"], "job": job}, 201
 
+    @flask_app.post("/exports")
+    @idempotency.idempotent(asynchronous=True)
+    def export() -> tuple[dict[str, Any], int]:
+        """Long work, run by a Celery worker (CeleryDispatcher's task), not the request."""
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO exports VALUES (%s, %s, %s)",
+                (current_idempotency.key, current_idempotency.attempt, os.getpid()),
+            )
+        return {"export": current_idempotency.key, "pid": os.getpid()}, 201
+
     @celery.task(bind=True, name="send_receipt", max_retries=None)
     def send_receipt(self: Task, payload: dict[str, Any]) -> Any:
         with flask_app.app_context():
@@ -90,7 +102,7 @@ def make_apps(database_url: str, broker_url: str) -> tuple[Flask, Celery]:
             wait_at_gate(database_url, payload["gate"])
         return {"receipt": payload["order"], "attempt": current_idempotency.attempt}
 
-    dispatch = CeleryDispatcher(celery)
+    dispatch = CeleryDispatcher(celery, app=flask_app)
     if os.environ.get("CELERY_TEST_HOLD_DISPATCH"):
 
         def dispatch_then_hold(job: Job) -> None:

@@ -208,3 +208,24 @@ def test_a_concurrent_duplicate_gets_request_in_progress_and_a_retry(
     )  # the first run, and the duplicate's retry, which got the stored result
     assert key_status(db, task_id) == ("completed", 1)
     assert count(db, "SELECT count(*) FROM receipts WHERE job = %s", task_id) == 1
+
+
+def test_an_asynchronous_route_runs_its_view_once_in_a_celery_worker(
+    database_url: str, redis_url: str, worker: subprocess.Popen[bytes], db: DB
+) -> None:
+    flask_app, _ = make_apps(database_url, redis_url)
+    client = flask_app.test_client()
+    key = f"export-{uuid.uuid4()}"
+    accepted = client.post("/exports", json={}, headers={"Idempotency-Key": key})
+    assert accepted.status_code == 202, accepted.data
+    location = accepted.headers["Location"]
+    assert client.post("/exports", json={}, headers={"Idempotency-Key": key}).status_code == 202
+    result = flask_app.test_cli_runner().invoke(args=["idempotency-dispatch"])
+    assert result.exit_code == 0 and "dispatched 1 job(s)" in result.output, result.output
+    wait_until(lambda: key_status(db, key) == ("completed", 1), timeout=60)
+    rows = db.execute("SELECT pid FROM exports WHERE key = %s", (key,)).fetchall()
+    assert len(rows) == 1 and rows[0][0] != os.getpid()  # once, in a worker process
+    polled = client.get(location)
+    assert polled.status_code == 201 and polled.get_json()["export"] == key
+    replay = client.post("/exports", json={}, headers={"Idempotency-Key": key})
+    assert replay.status_code == 201 and replay.data == polled.data
