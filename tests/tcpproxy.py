@@ -91,7 +91,10 @@ class TcpProxy:
             self._spawn(self._pump, upstream, client)
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        source.settimeout(0.1)
+        try:
+            source.settimeout(0.1)
+        except OSError:  # stop() closed the socket before this thread started
+            return
         while not self._stopping.is_set():
             self._flowing.wait()
             try:
