@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -31,6 +32,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 from werkzeug.exceptions import HTTPException
 
+from example.jobs import use_jobs
 from example.provider import SCHEMA as PROVIDER_SCHEMA
 from example.provider import FakeProvider
 from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
@@ -78,6 +80,7 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
     app.config.from_prefixed_env()  # e.g. FLASK_IDEMPOTENCY_LEASE=30
     app.config.update(config)
     idempotency.init_app(app)
+    use_jobs(app, idempotency)
     # The app's own pool, opened lazily in each worker (after the fork) like the extension's.
     pool: ConnectionPool[Any] = ConnectionPool(
         url, min_size=1, max_size=4, open=False, kwargs={"row_factory": dict_row}
@@ -143,6 +146,9 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
             crash_point("after_charge")
             with current_idempotency.phase("charge_recorded") as conn:
                 record_charge(conn, g.account, current_idempotency.key, charge_id)
+                # committed with the recorded charge, or not at all
+                receipt = {"tenant": g.account, "key": current_idempotency.key}
+                current_idempotency.stage("send_receipt", {**receipt, "charge": charge_id})
         crash_point("after_recorded")
         payment = load_payment(g.account, current_idempotency.key)
         assert payment is not None
@@ -242,6 +248,21 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
         )
         crash_point("refund_before_commit")
         return {"id": str(refund_id), "payment_id": str(payment_id), "amount": amount}, 201
+
+    @app.post("/exports")
+    @idempotency.idempotent(asynchronous=True)
+    def export() -> tuple[dict[str, Any], int]:
+        """Long work: the request answers 202 with a Location at once; the view runs in
+        the background (flask idempotency-complete --loop 1, or a Celery worker)."""
+        delay = float(app.config.get("EXAMPLE_EXPORT_SECONDS", 2.0))
+        time.sleep(delay)  # stands for a slow report
+        with db().connection() as conn:
+            row = conn.execute(
+                "SELECT count(*) AS payments, coalesce(sum(amount), 0) AS total"
+                " FROM payments WHERE tenant = %s",
+                (g.account,),
+            ).fetchone()
+        return {"export": current_idempotency.key, **dict(row or {})}, 201
 
     @app.get("/payments/<uuid:payment_id>")
     def get_payment(payment_id: uuid.UUID) -> dict[str, Any]:

@@ -120,16 +120,21 @@ def create_example_tables(db: DB) -> None:
     provider = importlib.import_module("example.provider")
     db.execute(app.PAYMENTS)
     db.execute(provider.SCHEMA)
+    db.execute(importlib.import_module("example.jobs").RECEIPTS)
 
 
 def start_example(
-    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB, latency: float
+    start_gunicorn: Callable[..., GunicornServer],
+    database_url: str,
+    db: DB,
+    latency: float,
+    **env: str,
 ) -> GunicornServer:
     create_example_tables(db)
     return start_gunicorn(
         EXAMPLE_APP,
         config=EXAMPLE_CONFIG,
-        env={"DATABASE_URL": database_url, "EXAMPLE_PROVIDER_LATENCY": str(latency)},
+        env={"DATABASE_URL": database_url, "EXAMPLE_PROVIDER_LATENCY": str(latency), **env},
         workers=3,
         worker_class="sync",
     )

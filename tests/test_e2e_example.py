@@ -19,7 +19,7 @@ import psycopg
 import pytest
 import requests
 import stripe
-from gunicorn_server import ROOT, GunicornServer
+from gunicorn_server import ROOT, GunicornServer, wait_until
 from helpers import start_example
 from psycopg.rows import TupleRow
 
@@ -239,3 +239,57 @@ def test_example_client_script(
     assert all(a == "201" or a.startswith(("409", "201  (replayed)")) for a in race), race
     assert answer("5. retry once they are done").startswith("201  (replayed)")
     assert "request-in-progress" in result.stdout and "key-reused" in result.stdout
+
+
+def test_example_exports_run_in_the_background_and_payments_send_one_receipt(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    """The example as ``bash example/run`` serves it: gunicorn's master runs
+    ``idempotency-complete --loop 1`` and ``idempotency-dispatch --loop 1`` beside the
+    workers, with no broker."""
+    server = start_example(
+        start_gunicorn, database_url, db, latency=0.05, FLASK_EXAMPLE_EXPORT_SECONDS="0.5"
+    )
+    account = f"acct-{uuid.uuid4()}"
+    auth = {"X-API-Key": account}
+    export_key = f"export-{uuid.uuid4()}"
+    first = requests.post(
+        f"{server.url}/exports", json={}, headers={**auth, "Idempotency-Key": export_key},
+        timeout=30,
+    )  # fmt: skip
+    assert first.status_code == 202 and first.headers["Retry-After"] == "1", first.text
+    location = server.url + first.headers["Location"]
+
+    def polled() -> requests.Response | None:
+        answer = requests.get(location, headers=auth, timeout=30)
+        return answer if answer.status_code != 202 else None
+
+    done = wait_until(polled, 60, "the export to finish in the background")
+    assert done.status_code == 201 and done.json()["export"] == export_key
+    assert done.headers["Idempotent-Replayed"] == "true"
+    retry = requests.post(
+        f"{server.url}/exports", json={}, headers={**auth, "Idempotency-Key": export_key},
+        timeout=30,
+    )  # fmt: skip
+    assert retry.status_code == 201 and retry.content == done.content
+
+    pay_key = f"pay-{uuid.uuid4()}"
+    for _ in range(2):  # a retry stages nothing more
+        paid = requests.post(
+            f"{server.url}/payments", json={"amount": 500},
+            headers={**auth, "Idempotency-Key": pay_key}, timeout=30,
+        )  # fmt: skip
+        assert paid.status_code == 201, paid.text
+
+    def receipts() -> int:
+        row = db.execute(
+            "SELECT count(*) FROM receipts WHERE tenant = %s AND payment_key = %s",
+            (account, pay_key),
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    wait_until(receipts, 60, "the receipt to be sent")
+    left = db.execute(
+        "SELECT count(*) FROM idempotency_jobs WHERE tenant = %s", (account,)
+    ).fetchone()
+    assert receipts() == 1 and left == (0,)
