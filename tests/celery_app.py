@@ -7,7 +7,7 @@ environment naming the store (``CELERY_TEST_DATABASE_URL``) and the broker
 (``CELERY_TEST_BROKER_URL``). ``CELERY_TEST_HOLD_DISPATCH=1`` makes the dispatcher stop
 after its first hand-over until a test kills it.
 
-Tables (in the store's database): ``receipts`` gets one row per side effect,
+Tables (in the store's database): ``celery_receipts`` gets one row per side effect,
 ``deliveries`` one per task execution and how it ended, ``celery_gates`` holds a task
 at a named gate (recording the pid of the process there) until a test opens it.
 """
@@ -27,7 +27,7 @@ from flask_idempotency import Idempotency, Job, RequestInProgress, current_idemp
 from flask_idempotency.celery import CeleryDispatcher
 
 TABLES = """
-CREATE TABLE IF NOT EXISTS receipts (job text, attempt integer, pid integer);
+CREATE TABLE IF NOT EXISTS celery_receipts (job text, attempt integer, pid integer);
 CREATE TABLE IF NOT EXISTS deliveries (
     job text, pid integer, outcome text, at timestamptz DEFAULT clock_timestamp()
 );
@@ -95,7 +95,7 @@ def make_apps(database_url: str, broker_url: str) -> tuple[Flask, Celery]:
         if current_idempotency.recovery_point == "started":
             with current_idempotency.phase("sent") as conn:
                 conn.execute(
-                    "INSERT INTO receipts VALUES (%s, %s, %s)",
+                    "INSERT INTO celery_receipts VALUES (%s, %s, %s)",
                     (current_idempotency.key, current_idempotency.attempt, os.getpid()),
                 )
         if payload.get("gate"):

@@ -153,7 +153,7 @@ def test_a_dispatcher_killed_after_sending_hands_the_job_over_again_and_it_runs_
 
     wait_until(all_done, timeout=60)
     for job in jobs:
-        assert count(db, "SELECT count(*) FROM receipts WHERE job = %s", job) == 1
+        assert count(db, "SELECT count(*) FROM celery_receipts WHERE job = %s", job) == 1
     # The job sent twice was delivered twice under one task id; its effect happened once.
     assert count(db, "SELECT count(*) FROM deliveries WHERE job = %s", first[0]) >= 2
     assert count(db, "SELECT count(*) FROM idempotency_jobs WHERE id = ANY(%s::uuid[])", jobs) == 0
@@ -167,13 +167,13 @@ def test_a_worker_killed_mid_task_is_redelivered_and_the_effect_happens_once(
     celery.send_task("send_receipt", args=[{"order": "o-1", "gate": gate}], task_id=task_id)
     # The first run committed its effect (phase "sent") and waits at the gate: kill it.
     pid = wait_until(gate_pid(db, gate), timeout=30)
-    assert count(db, "SELECT count(*) FROM receipts WHERE job = %s", task_id) == 1
+    assert count(db, "SELECT count(*) FROM celery_receipts WHERE job = %s", task_id) == 1
     os.kill(pid, signal.SIGKILL)
     open_gate(db, gate)
     # Redelivered (RequestInProgress and Celery retries while the dead run's 2 s lease
     # lasts); then attempt 2 takes over from the recovery point and sends nothing again.
     wait_until(lambda: key_status(db, task_id) == ("completed", 2), timeout=60)
-    assert count(db, "SELECT count(*) FROM receipts WHERE job = %s", task_id) == 1
+    assert count(db, "SELECT count(*) FROM celery_receipts WHERE job = %s", task_id) == 1
 
 
 def test_a_concurrent_duplicate_gets_request_in_progress_and_a_retry(
@@ -207,7 +207,7 @@ def test_a_concurrent_duplicate_gets_request_in_progress_and_a_retry(
         timeout=60,
     )  # the first run, and the duplicate's retry, which got the stored result
     assert key_status(db, task_id) == ("completed", 1)
-    assert count(db, "SELECT count(*) FROM receipts WHERE job = %s", task_id) == 1
+    assert count(db, "SELECT count(*) FROM celery_receipts WHERE job = %s", task_id) == 1
 
 
 def test_an_asynchronous_route_runs_its_view_once_in_a_celery_worker(
