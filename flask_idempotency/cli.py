@@ -15,9 +15,7 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from . import signals
-from .dispatch import Dispatcher
 from .errors import StoreError
-from .loop import run_every
 from .maintenance import Maintenance
 from .model import KeyStatus, StoredResponse
 from .pool import probe
@@ -222,66 +220,6 @@ def _first_line(text: str | None) -> str:
     return (text or "").partition("\n")[0][:120]
 
 
-@click.command(
-    "idempotency-dispatch",
-    help="Hand committed staged jobs to the registered dispatcher, in batches safe on every"
-    " host at once. A job is forgotten only after the dispatcher returned.",
-)
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1, max=10_000),
-    default=100,
-    show_default=True,
-    help="Jobs per batch (one transaction).",
-)
-@click.option(
-    "--loop",
-    "interval",
-    type=click.FloatRange(min=0.01, max=86_400),
-    help="Run a batch every SECONDS until SIGTERM, instead of once.",
-)
-@with_appcontext
-def dispatch_command(limit: int, interval: float | None) -> None:
-    state = get_state()
-    fn = state.extension.dispatch_job
-    if fn is None:
-        raise click.ClickException(
-            "no dispatcher is registered: decorate a function with @idempotency.dispatcher"
-            " (or register flask_idempotency.celery.CeleryDispatcher)"
-        )
-    settings = state.settings
-    dispatcher = Dispatcher(
-        state.store,
-        fn,
-        backoff=settings.reconcile_backoff,
-        max_attempts=settings.reconcile_max_attempts,
-    )
-
-    def batch() -> None:
-        while True:  # once: every due job; with --loop: one batch a tick
-            try:
-                report = dispatcher.run_batch(limit)
-            except StoreError as exc:
-                raise click.ClickException(str(exc)) from exc
-            click.echo(
-                f"dispatched {report.dispatched} job(s); {report.failed} failed,"
-                f" {report.unknown} with a name no dispatcher knows"
-            )
-            for undispatched in report.undispatched:
-                job = undispatched.job
-                click.echo(f"  kept {job.id} {job.name!r} key={job.key!r}: {undispatched.reason}")
-            current_app.logger.info(
-                "idempotency-dispatch dispatched=%d failed=%d unknown=%d",
-                report.dispatched,
-                report.failed,
-                report.unknown,
-            )
-            if interval is not None or report.dispatched + len(report.undispatched) < limit:
-                return
-
-    run_every(interval, batch)
-
-
 @click.command("idempotency-show", help="Show everything stored for one key.")
 @click.argument("key")
 @click.option("--tenant", default="", help="The key's tenant (default: the empty tenant).")
@@ -368,5 +306,4 @@ COMMANDS = (
     list_command,
     show_command,
     resolve_command,
-    dispatch_command,
 )

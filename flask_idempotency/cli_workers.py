@@ -1,7 +1,8 @@
-"""The background processes' commands: ``flask idempotency-complete`` and
-``flask idempotency-reconcile`` (SPEC §9), registered by ``init_app`` with the others.
+"""The background processes' commands: ``flask idempotency-complete``,
+``flask idempotency-reconcile`` (SPEC §9) and ``flask idempotency-dispatch`` (SPEC §10),
+registered by ``init_app`` with the others.
 
-Both run once (every due key, batch after batch) or, with ``--loop SECONDS``, one
+Each runs once (every due key, batch after batch) or, with ``--loop SECONDS``, one
 bounded batch per tick until SIGTERM; both print a line per key and one per batch,
 and exit 1 only when the store failed, so a cron job does not fail forever on one
 bad key.
@@ -17,6 +18,7 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from .completer import Completer, summary
+from .dispatch import Dispatcher
 from .errors import StoreError
 from .loop import run_every
 from .reconciler import Reconciliation
@@ -29,7 +31,7 @@ _LIMIT = click.option(
     type=click.IntRange(min=1, max=10_000),
     default=100,
     show_default=True,
-    help="Keys per batch.",
+    help="Keys (or jobs) per batch.",
 )
 _LOOP = click.option(
     "--loop",
@@ -142,5 +144,55 @@ def reconcile_command(limit: int, interval: float | None) -> None:
 #: a reconcile batch's outcomes, in the order its summary line gives them
 OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced")
 
+
 #: the commands of this module, registered with cli.COMMANDS
-COMMANDS = (complete_command, reconcile_command)
+@click.command(
+    "idempotency-dispatch",
+    help="Hand committed staged jobs to the registered dispatcher, in batches safe on every"
+    " host at once. A job is forgotten only after the dispatcher returned.",
+)
+@_LIMIT
+@_LOOP
+@with_appcontext
+def dispatch_command(limit: int, interval: float | None) -> None:
+    state = get_state()
+    fn = state.extension.dispatch_job
+    if fn is None:
+        raise click.ClickException(
+            "no dispatcher is registered: decorate a function with @idempotency.dispatcher"
+            " (or register flask_idempotency.celery.CeleryDispatcher)"
+        )
+    settings = state.settings
+    dispatcher = Dispatcher(
+        state.store,
+        fn,
+        backoff=settings.reconcile_backoff,
+        max_attempts=settings.reconcile_max_attempts,
+    )
+
+    def batch() -> None:
+        while True:  # once: every due job; with --loop: one batch a tick
+            try:
+                report = dispatcher.run_batch(limit)
+            except StoreError as exc:
+                raise click.ClickException(str(exc)) from exc
+            click.echo(
+                f"dispatched {report.dispatched} job(s); {report.failed} failed,"
+                f" {report.unknown} with a name no dispatcher knows"
+            )
+            for undispatched in report.undispatched:
+                job = undispatched.job
+                click.echo(f"  kept {job.id} {job.name!r} key={job.key!r}: {undispatched.reason}")
+            logger.info(
+                "idempotency-dispatch dispatched=%d failed=%d unknown=%d",
+                report.dispatched,
+                report.failed,
+                report.unknown,
+            )
+            if interval is not None or report.dispatched + len(report.undispatched) < limit:
+                return
+
+    run_every(interval, batch)
+
+
+COMMANDS = (complete_command, reconcile_command, dispatch_command)
