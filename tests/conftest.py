@@ -135,7 +135,11 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         ).fetchall()
     assert rows == [], f"advisory locks left held: {rows}"
     stray = [
-        t for t in set(threading.enumerate()) - threads_before if t.is_alive() and not t.daemon
+        t
+        for t in set(threading.enumerate()) - threads_before
+        # asgiref's async_to_sync keeps a process-wide executor thread on Python 3.10 (the
+        # async view test); the package itself never makes executors
+        if t.is_alive() and not t.daemon and not t.name.startswith("ThreadPoolExecutor-")
     ]
     assert stray == [], f"threads left running: {stray}"
 
