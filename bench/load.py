@@ -83,6 +83,7 @@ class Pgbench:
             (getattr(store, "_claim", None), CLAIM),
             (finishes.get((False, False)) if isinstance(finishes, dict) else None, FINISH),
         ):
+            value = getattr(value, "named", value)  # a Statement: its %(name)s text
             if isinstance(value, sql.Composable):
                 value = value.as_string(None)
             if not isinstance(value, str):
@@ -130,8 +131,8 @@ class Pgbench:
             "tenant": "pgbench",
             "fingerprint": "\\x" + fingerprint("POST", "/idempotent", MIMETYPE, BODY).hex(),
             "on_abandoned": "taken_over",
-            "lease": "60 seconds",  # the defaults of IDEMPOTENCY_LEASE and IDEMPOTENCY_TTL
-            "ttl": "86400 seconds",
+            "lease": "60",  # seconds: the defaults of IDEMPOTENCY_LEASE and IDEMPOTENCY_TTL
+            "ttl": "86400",
             "status": "completed",
             "attempt": "1",
             "response_status": "201",

@@ -79,16 +79,18 @@ def answer(
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     who: dict[str, Any] = {"tenant": tenant, "key": key, "claim_seconds": claim_seconds}
     for signal, kwargs in decision_signals(outcome, waited):
-        signal.send(app, **who, **kwargs)
+        if signal.receivers:  # nobody listening: nothing to build or send
+            signal.send(app, **who, **kwargs)
     row = ANSWERS[outcome.decision]
-    logger.log(
-        row.level,
-        "decision=%s tenant=%s key=%r attempt=%d",
-        outcome.decision.value,
-        tenant_tag(tenant),
-        key,
-        outcome.attempt,
-    )
+    if logger.isEnabledFor(row.level):  # tenant_tag hashes: only for a line that is written
+        logger.log(
+            row.level,
+            "decision=%s tenant=%s key=%r attempt=%d",
+            outcome.decision.value,
+            tenant_tag(tenant),
+            key,
+            outcome.attempt,
+        )
     if row.problem is not None:
         detail = row.detail.format(header=settings.header)
         if outcome.decision is Decision.IN_PROGRESS and settings.in_progress_status == 202:

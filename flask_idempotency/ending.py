@@ -278,8 +278,12 @@ def _report(
                     claim.tenant, claim.key, claim.outcome, ending.stored, claim.settings.ttl
                 )
         suffix = " transactional" if transactional else ""
-        logger.debug("decision=stored %s status=%d%s", _fields(claim), ending.stored.status, suffix)
-        signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
+        if logger.isEnabledFor(logging.DEBUG):  # _fields hashes the tenant
+            logger.debug(
+                "decision=stored %s status=%d%s", _fields(claim), ending.stored.status, suffix
+            )
+        if signals.stored.receivers:
+            signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
         return
     status = "rolled_back" if transactional else ending.status.value
     level = logging.WARNING if status == KeyStatus.UNKNOWN.value else logging.INFO

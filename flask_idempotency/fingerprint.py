@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import rfc8785
 
 FORM = "application/x-www-form-urlencoded"
+
+#: A body that may hold a character outside the Basic Multilingual Plane (a 4-byte UTF-8
+#: sequence, or a surrogate escape): RFC 8785 orders keys by UTF-16 code units, which
+#: differs from Python's code-point order only for such characters. Any UTF-16 or
+#: UTF-32 body matches too (it has NUL bytes): json.loads takes them, the fast path does not.
+_NOT_PLAIN = re.compile(rb"[\x00\xf0-\xff]|\\u[dD][89a-fA-F]")
+_SAFE_INT = 2**53 - 1
 
 
 def fingerprint(method: str, path_with_query: str, mimetype: str, body: bytes) -> bytes:
@@ -35,10 +44,8 @@ def canonical_body(mimetype: str, body: bytes) -> bytes:
     if not body:
         return b""
     if mimetype == "application/json" or mimetype.endswith("+json"):
-        try:
-            return b"json:" + rfc8785.dumps(json.loads(body))
-        except (ValueError, RecursionError):
-            return b"raw:" + body
+        canonical = canonical_json(body)
+        return b"raw:" + body if canonical is None else b"json:" + canonical
     if mimetype == FORM:
         # Latin-1 maps each byte to one character and back, so no two different
         # percent-escapes (%E9, %E8) collapse into one replacement character.
@@ -57,3 +64,42 @@ def canonical_body(mimetype: str, body: bytes) -> bytes:
         fields.sort(key=lambda field: field[0])
         return b"form:" + urlencode(fields, encoding="latin-1").encode("latin-1")
     return b"raw:" + body
+
+
+def canonical_json(body: bytes) -> bytes | None:
+    """*body*'s RFC 8785 form, or None if it is not JSON that RFC 8785 can represent.
+
+    ``rfc8785`` is pure Python; for the documents most APIs receive (no floats, integers
+    within ±2⁵³, every character in the Basic Multilingual Plane) RFC 8785's bytes are
+    exactly what ``json.dumps`` writes with sorted keys, no spaces and no ASCII escaping,
+    in C. Anything else, or anything the fast path does not take, goes to ``rfc8785``:
+    the bytes, and so the stored fingerprints, are the same either way (tests compare).
+    """
+    if _NOT_PLAIN.search(body) is None:
+        try:
+            document = json.loads(
+                body, parse_float=_not_fast, parse_int=_safe_int, parse_constant=_not_fast
+            )
+            text = json.dumps(document, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+            return text.encode()
+        except (ValueError, RecursionError, _NotFast):
+            pass  # rfc8785 decides, as before
+    try:
+        return rfc8785.dumps(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+
+
+class _NotFast(Exception):
+    """The document needs rfc8785 (a float, a large integer)."""
+
+
+def _not_fast(text: str) -> Any:
+    raise _NotFast(text)
+
+
+def _safe_int(text: str) -> int:
+    number = int(text)
+    if -_SAFE_INT <= number <= _SAFE_INT:
+        return number
+    raise _NotFast(text)

@@ -39,6 +39,7 @@ from .pool import (
 from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 from .rows import claim_outcome, response_params
 from .schema import Schema
+from .statement import Statement, execute
 from .stored_request import StoredRequest, request_params
 
 __all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
@@ -84,23 +85,25 @@ class PostgresStore:
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
             sql.Literal(self.channel)
         )
-        self._claim = self.render(CLAIM)
+        self._claim = Statement(self.render(CLAIM))
         commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
         #: the finish, by (notify waiting twins?, insert staged jobs?)
         self._finishes = {
-            (wake, staging): self.render(
-                _staging(FINISH) if staging else FINISH,
-                notify=notify if wake else sql.SQL("1"),
-                commit_mode=commit_mode,
+            (wake, staging): Statement(
+                self.render(
+                    _staging(FINISH) if staging else FINISH,
+                    notify=notify if wake else sql.SQL("1"),
+                    commit_mode=commit_mode,
+                )
             )
             for wake in (False, True)
             for staging in (False, True)
         }
         self._advances = {
-            staging: self.render(_staging(ADVANCE) if staging else ADVANCE)
+            staging: Statement(self.render(_staging(ADVANCE) if staging else ADVANCE))
             for staging in (False, True)
         }
-        self._notify = sql.SQL("SELECT {}").format(notify).as_string()
+        self._notify = Statement(sql.SQL("SELECT {}").format(notify).as_string())
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
@@ -206,8 +209,8 @@ class PostgresStore:
             "key": key,
             "fingerprint": fingerprint,
             "lock_id": lock_id(tenant, key),
-            "lease": terms.lease,
-            "ttl": terms.ttl,
+            "lease": terms.lease.total_seconds(),
+            "ttl": terms.ttl.total_seconds(),
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
             **request_params(request),
         }
@@ -266,7 +269,7 @@ class PostgresStore:
             "attempt": outcome.attempt,
             "generation": outcome.generation,
             "status": status.value,
-            "ttl": ttl,
+            "ttl": ttl.total_seconds(),
             **response_params(response),
             "lock_id": lock_id(tenant, key),
         }
@@ -281,7 +284,7 @@ class PostgresStore:
 
     def _run(
         self,
-        query: str,
+        query: Statement,
         params: dict[str, Any],
         pinned: PinnedConnection | None = None,
         *,
@@ -298,11 +301,11 @@ class PostgresStore:
         return self._execute(query, params, None, fetch)
 
     def _execute(
-        self, query: str, params: dict[str, Any], pinned: PinnedConnection | None, fetch: bool
+        self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None, fetch: bool
     ) -> tuple[int, tuple[Any, ...] | None]:
         with self._connection_for(pinned) as conn:
             with bounded(conn, self.settings.statement_timeout):
-                cur = conn.execute(query, params, prepare=self._prepare)
+                cur = execute(conn, query, params, self._prepare)
                 return cur.rowcount, cur.fetchone() if fetch else None
 
     @contextmanager
@@ -368,14 +371,12 @@ class PostgresStore:
                     "attempt": outcome.attempt,
                     "generation": outcome.generation,
                     "point": point,
-                    "lease": lease,
+                    "lease": lease.total_seconds(),
                 }
                 if jobs:
                     params.update(stage_params(jobs))
                 with bounded(conn, self.settings.statement_timeout):
-                    advanced = conn.execute(
-                        self._advances[bool(jobs)], params, prepare=self._prepare
-                    )
+                    advanced = execute(conn, self._advances[bool(jobs)], params, self._prepare)
                 if advanced.rowcount != 1:
                     raise AttemptSuperseded(
                         f"attempt {outcome.attempt} no longer owns key {key!r} (its lease ran"

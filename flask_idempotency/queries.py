@@ -75,6 +75,9 @@ SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclas
              WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid)
 """
 
+# The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
+# (a float): cheaper to send than an interval.
+
 # Reads the row with the statement's snapshot and decides; only when the request
 # must run the view does it take the advisory lock and write. The write is fenced
 # by what was read (attempt, generation, status): a row that changed, or appeared,
@@ -108,7 +111,8 @@ WITH seen AS (
          request, request_body)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
-           now() + %(lease)s, now() + %(ttl)s, %(request)s, %(request_body)s
+           now() + make_interval(secs => %(lease)s), now() + make_interval(secs => %(ttl)s),
+           %(request)s, %(request_body)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
     ON CONFLICT (tenant, key) DO UPDATE SET
@@ -155,7 +159,7 @@ LEFT JOIN seen ON true
 FINISH = """
 UPDATE {table}
 SET status = %(status)s, locked_until = NULL, updated_at = now(),
-    expires_at = now() + %(ttl)s,
+    expires_at = now() + make_interval(secs => %(ttl)s),
     response_status = %(response_status)s,
     response_headers = %(response_headers)s,
     response_body = %(response_body)s,
@@ -172,7 +176,8 @@ RETURNING {notify}
 # renews the lease: an attempt that makes progress is not abandoned.
 ADVANCE = """
 UPDATE {table}
-SET recovery_point = %(point)s, locked_until = now() + %(lease)s, updated_at = now()
+SET recovery_point = %(point)s, locked_until = now() + make_interval(secs => %(lease)s),
+    updated_at = now()
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s AND status = 'processing'
 """

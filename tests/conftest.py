@@ -108,14 +108,16 @@ def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[
     def watch(app: Flask) -> list[str]:
         pool = app.extensions["idempotency"].store.pool
         statements: list[str] = []
-        original = psycopg.Connection.execute
+        # Every statement goes through a cursor's execute (Connection.execute makes one;
+        # the request path keeps a raw cursor per connection).
+        original = psycopg.Cursor.execute
 
-        def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kw: Any) -> Any:
-            if getattr(self, "_pool", None) is pool:
+        def counting(self: psycopg.Cursor[Any], query: Any, *args: Any, **kw: Any) -> Any:
+            if getattr(self.connection, "_pool", None) is pool:
                 statements.append(str(query)[:40])
             return original(self, query, *args, **kw)
 
-        monkeypatch.setattr(psycopg.Connection, "execute", counting)
+        monkeypatch.setattr(psycopg.Cursor, "execute", counting)
         return statements
 
     return watch

@@ -1,0 +1,187 @@
+"""What one request costs, counted rather than timed under load: the app's CPU, the
+database's CPU, WAL bytes, WAL flushes and HOT updates per request, sequentially.
+
+These counters hardly depend on what else the machine is doing (unlike throughput), so
+they are the figures to compare two versions of the library with on a busy machine:
+
+    python -m bench.cost [--url DATABASE_URL] [--rounds 5] [--requests 1000] [VARIANT ...]
+
+VARIANT is ``plain``, ``new``, ``replay`` or ``handrolled`` (default: all four). Without
+``--url`` it starts a throwaway durable PostgreSQL (as bench/run does) and stops it at
+the end. Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
+warm-up requests, then *rounds* of *requests*; it prints the minimum over the rounds of
+each CPU figure (the least disturbed round) and the median of the counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from flask.testing import FlaskClient
+
+from bench.app import HANDROLLED_SCHEMA, create_app
+from bench.common import BODY, MIMETYPE
+from bench.system import children, process_cpu
+
+PATHS = {
+    "plain": "/plain",
+    "new": "/idempotent",
+    "replay": "/idempotent",
+    "handrolled": "/handrolled",
+}
+TABLES = {"new": "idempotency_keys", "replay": "idempotency_keys", "handrolled": "handrolled_keys"}
+
+
+def postgres_cpu(postmaster: int | None) -> float:
+    """CPU seconds of the server: the postmaster, its live children and the reaped ones."""
+    if postmaster is None:
+        return 0.0
+    return process_cpu(postmaster, reaped=True) + sum(process_cpu(c) for c in children(postmaster))
+
+
+def counters(conn: psycopg.Connection[Any], table: str) -> dict[str, float]:
+    row = conn.execute(
+        """
+        SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0'),
+               (SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal'),
+               coalesce((SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = %(t)s), 0),
+               coalesce((SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = %(t)s), 0)
+        """,
+        {"t": table},
+    ).fetchone()
+    assert row is not None
+    return dict(
+        zip(("wal_bytes", "wal_flushes", "updates", "hot_updates"), map(float, row), strict=True)
+    )
+
+
+def flush_stats(app: Any) -> None:
+    """Make every pooled backend report its statistics now (they hold them up to 10 s)."""
+    time.sleep(1.1)  # a backend reports at most once a second
+    state = app.extensions["idempotency"]
+    pools = [app.extensions["bench_pool"]]
+    if state.store._pool is not None:
+        pools.append(state.store._pool)
+    for pool in pools:
+        if pool.closed:
+            continue
+        held = []
+        try:
+            for _ in range(pool.get_stats().get("pool_size", 0) or 0):
+                held.append(pool.getconn(timeout=5))
+            for conn in held:
+                conn.execute("SELECT pg_stat_force_next_flush()")
+        finally:
+            for conn in held:
+                pool.putconn(conn)
+    time.sleep(0.2)
+
+
+def measure(
+    url: str, postmaster: int | None, variant: str, rounds: int, requests: int, exec_dir: str
+) -> dict[str, Any]:
+    app = create_app(url, exec_dir)
+    client: FlaskClient = app.test_client()
+    run = uuid.uuid4().hex[:8]
+    path = PATHS[variant]
+
+    def post(i: int) -> None:
+        key = f"cost{run}-replay" if variant == "replay" else f"cost{run}-{i}"
+        headers = {"Content-Type": MIMETYPE, "Idempotency-Key": key}
+        response = client.post(path, data=BODY, headers=headers)
+        if response.status_code != 201:
+            raise SystemExit(f"{path}: unexpected {response.status_code}: {response.data!r}")
+
+    for i in range(-100, 0):
+        post(i)
+    table = TABLES.get(variant, "idempotency_keys")
+    results = []
+    with psycopg.connect(url, autocommit=True) as admin:
+        for r in range(rounds):
+            flush_stats(app)
+            before = counters(admin, table)
+            pg0, cpu0, wall0 = postgres_cpu(postmaster), time.process_time(), time.perf_counter()
+            for i in range(requests):
+                post(r * requests + i)
+            cpu1, wall1, pg1 = time.process_time(), time.perf_counter(), postgres_cpu(postmaster)
+            flush_stats(app)
+            after = counters(admin, table)
+            delta = {k: (after[k] - before[k]) / requests for k in after}
+            delta.update(
+                app_us=(cpu1 - cpu0) / requests * 1e6,
+                db_us=(pg1 - pg0) / requests * 1e6,
+                wall_us=(wall1 - wall0) / requests * 1e6,
+            )
+            results.append(delta)
+    state = app.extensions["idempotency"]
+    state.store.close()
+    app.extensions["bench_pool"].close()
+    cpu = ("app_us", "db_us", "wall_us")
+    summary: dict[str, Any] = {k: min(r[k] for r in results) for k in cpu}
+    summary["total_us"] = min(r["app_us"] + r["db_us"] for r in results)
+    for k in ("wal_bytes", "wal_flushes", "updates", "hot_updates"):
+        summary[k] = statistics.median(r[k] for r in results)
+    summary["hot_ratio"] = (
+        summary["hot_updates"] / summary["updates"] if summary["updates"] else None
+    )
+    summary["rounds"] = [{k: round(v, 2) for k, v in r.items()} for r in results]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="counted cost per request, sequential")
+    parser.add_argument("variants", nargs="*", metavar="VARIANT", help=", ".join(PATHS))
+    parser.add_argument("--url", help="an existing database (default: start a durable one)")
+    parser.add_argument("--postmaster", type=int, help="its postmaster's PID, for its CPU")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    variants = args.variants or list(PATHS)
+    for v in variants:
+        if v not in PATHS:
+            parser.error(f"unknown variant {v!r}: choose from {', '.join(PATHS)}")
+    with tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp:
+        db = None
+        url, postmaster = args.url, args.postmaster
+        if url is None:
+            from bench.servers import Postgres, Processes
+
+            db = Postgres(Path(tmp) / "pg", Processes(Path(tmp) / "pids"))
+            db.start(print)
+            url, postmaster = db.url, db.pid
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(HANDROLLED_SCHEMA)
+            out = {}
+            for variant in variants:
+                out[variant] = measure(url, postmaster, variant, args.rounds, args.requests, tmp)
+                s = out[variant]
+                plain = out.get("plain")
+                above = f" (+{s['total_us'] - plain['total_us']:.0f} above plain)" if plain else ""
+                hot = f"{s['hot_ratio']:.0%}" if s["hot_ratio"] is not None else "-"
+                print(
+                    f"{variant:10} app {s['app_us']:6.0f} us  db {s['db_us']:5.0f} us  "
+                    f"total {s['total_us']:6.0f} us{above}  wall {s['wall_us']:6.0f} us  "
+                    f"WAL {s['wal_bytes']:5.0f} B  flushes {s['wal_flushes']:.2f}  "
+                    f"HOT {hot} of {s['updates']:.2f} updates",
+                    flush=True,
+                )
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=2))
+        finally:
+            if db is not None:
+                db.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
