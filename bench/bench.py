@@ -101,7 +101,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", default="bench/out", help="where the report goes (relative to the repository)"
     )
     p.add_argument("--repo", help="the git repository (default: the one holding this file)")
+    soak = p.add_argument_group("soak (bench/soak.py; not with the other phases)")
+    soak.add_argument("--soak", action="store_true", help="run the soak scenario instead")
+    soak.add_argument("--soak-keys", type=int, default=10_000_000, help="keys bulk-loaded")
+    soak.add_argument("--soak-claims", type=int, default=3000, help="timed claims per table")
+    soak.add_argument("--soak-minutes", type=float, default=20, help="minutes at full rate")
+    soak.add_argument("--soak-ttl", type=int, default=60, help="IDEMPOTENCY_TTL at full rate")
+    soak.add_argument("--soak-clean-every", type=float, default=10, help="seconds between cleans")
+    soak.add_argument("--soak-chunk", type=float, default=10, help="seconds per wrk chunk")
+    soak.add_argument("--soak-plot", default="docs/soak.png", help="the PNG (repository-relative)")
     args = p.parse_args(argv)
+    if args.soak and args.time_limit == 1200:  # the default: what the soak needs, and an hour
+        args.time_limit = int(args.soak_minutes * 60 + 3600)
     if args.quick:
         args.rounds, args.seconds, args.warmup = 1, 3, 1
         args.count_requests, args.profile_seconds, args.inprocess_requests = 50, 3, 300
@@ -127,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM):
         signal.signal(sig, stop)
     signal.alarm(args.time_limit)
+    if args.soak:
+        from bench import soak
+
+        try:
+            return soak.main(args)
+        except BenchError as exc:
+            print(f"soak failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            signal.alarm(0)
     bench = Bench(args)
     try:
         bench.run()
