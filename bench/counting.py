@@ -24,7 +24,15 @@ CASES = [
     ("f-replay", "replay, hand-rolled", "/handrolled", "/handrolled"),
     ("a", "plain view", "/plain", None),
 ]
-PER_REQUEST = ("commits", "xids", "wal_flushes", "wal_flushes_all", "wal_bytes")
+PER_REQUEST = (
+    "commits",
+    "xids",
+    "wal_flushes",
+    "wal_flushes_all",
+    "wal_bytes",
+    "updates",
+    "hot_updates",
+)
 
 
 class CountingProxy:

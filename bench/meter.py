@@ -9,16 +9,28 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import psycopg
+
 from bench.common import DATABASE
 from bench.servers import Gunicorn, Postgres
 from bench.system import busy_cpu_seconds, children, kernel_threads_cpu_seconds, process_cpu
 
 #: Counters that lag behind (see Meter.settled); the others are current at once.
-LAGGING = ("commits", "wal_flushes", "wal_flushes_all")
+LAGGING = ("commits", "wal_flushes", "wal_flushes_all", "updates", "hot_updates")
 #: Two readings of the counters: before and after the poke.
 Settled = tuple[dict[str, float], dict[str, float]]
 #: The database counters reported per request under load.
-DB_PER_REQUEST = ("statements", "xids", "wal_flushes", "wal_flushes_all", "wal_bytes")
+DB_PER_REQUEST = (
+    "statements",
+    "xids",
+    "wal_flushes",
+    "wal_flushes_all",
+    "wal_bytes",
+    "updates",
+    "hot_updates",
+)
+#: the tables whose updates are counted (and how many of them were HOT)
+UPDATED_TABLES = ["idempotency_keys", "handrolled_keys"]
 
 
 def window(before: Settled, after: Settled) -> dict[str, float]:
@@ -39,6 +51,7 @@ class Meter:
         self.settle = settle
         self.poke = poke
         self._last: tuple[float, Settled] | None = None
+        self._bench_db: psycopg.Connection[Any] | None = None
         #: redis-server, for the peers' variants (None when it does not run)
         self.redis_pid: int | None = None
 
@@ -58,7 +71,17 @@ class Meter:
             {"db": DATABASE},
         )
         names = ("commits", "wal_flushes", "wal_flushes_all", "wal_bytes", "xids", "statements")
-        return {name: float(value or 0) for name, value in zip(names, row, strict=True)}
+        snapshot = {name: float(value or 0) for name, value in zip(names, row, strict=True)}
+        # Table statistics are per database: read them in the bench database.
+        if self._bench_db is None or self._bench_db.closed:
+            self._bench_db = psycopg.connect(self.db.url, autocommit=True)
+        updates = self._bench_db.execute(
+            "SELECT coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0)"
+            " FROM pg_stat_user_tables WHERE relname = ANY(%s)",
+            [UPDATED_TABLES],
+        ).fetchone() or (0, 0)
+        snapshot["updates"], snapshot["hot_updates"] = float(updates[0]), float(updates[1])
+        return snapshot
 
     def settled(self, poke: Callable[[], None]) -> Settled:
         """Database and CPU counters, read once every backend has reported its statistics.
