@@ -22,7 +22,7 @@ from .answers import accepted, replay
 from .config import RouteSettings
 from .errors import KeyNotFound, OutcomeUnknown, ProblemError
 from .jobs import StagedJob, stage_params, staged_job
-from .keys import check_tenant, parse_key
+from .keys import load_tenant, parse_key
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 from .postgres import PinnedConnection, store_errors
 from .queries import STAGE_JOBS
@@ -116,7 +116,7 @@ def key_status(key: str) -> Response:
     settings = state.settings.route
     try:
         key = parse_key([key], "The key")
-        tenant = _tenant(state)
+        tenant = load_tenant(state.extension._tenant_loader)
     except ProblemError as exc:  # a malformed key or tenant names no key
         raise settings.problem(KeyNotFound, exc.detail) from None
     row = state.maintenance.get_key(tenant, key)
@@ -135,11 +135,3 @@ def key_status(key: str) -> Response:
             OutcomeUnknown, "The outcome of this key's work is unknown; it will not run again."
         )
     return accepted(settings, _WORKING, status_location(state, key))
-
-
-def _tenant(state: IdempotencyState) -> str:
-    loader = state.extension._tenant_loader
-    tenant = loader() if loader is not None else ""
-    if not isinstance(tenant, str):
-        raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
-    return check_tenant(tenant)

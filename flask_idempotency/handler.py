@@ -32,7 +32,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .fingerprint import fingerprint
-from .keys import check_tenant, lock_id, parse_key, tenant_tag
+from .keys import load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .postgres import PinnedConnection
 from .rerun import current_rerun
@@ -144,13 +144,8 @@ def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Ide
 
 
 def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:
-    if loader is None:
-        return ""
-    tenant = loader()
-    if not isinstance(tenant, str):
-        raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
     try:
-        return check_tenant(tenant)
+        return load_tenant(loader)
     except ProblemError as exc:
         raise settings.problem(type(exc), exc.detail) from None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 from http_sfv.item import Item
@@ -74,6 +74,20 @@ def check_tenant(tenant: str) -> str:
             " control characters or unpaired surrogates."
         )
     return tenant
+
+
+def load_tenant(loader: Callable[[], str] | None) -> str:
+    """The tenant the app's *loader* names for the current request (``""`` without one).
+
+    :raises TypeError: the loader returned something else than a str (an app bug).
+    :raises InvalidTenant: see :func:`check_tenant`.
+    """
+    if loader is None:
+        return ""
+    tenant = loader()
+    if not isinstance(tenant, str):
+        raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
+    return check_tenant(tenant)
 
 
 def tenant_tag(tenant: str) -> str:
