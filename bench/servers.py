@@ -9,9 +9,7 @@ bench/run can still stop it by PID if this process dies without cleaning up.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ from bench.system import children
 sys.path.insert(0, str(ROOT / "tests"))
 
 from pgserver import PostgresServer, find_bin_dir
+from redisserver import BINARY, RedisServer
 
 #: The benchmark's server is durable: every commit waits for its WAL flush (fdatasync).
 DURABLE_SETTINGS: dict[str, str | int] = {
@@ -266,7 +265,7 @@ def stop_gunicorn(processes: Processes, server: Gunicorn) -> None:
     processes.forget(server.proc.pid)
 
 
-class Redis:
+class Redis(RedisServer):
     """Debian's ``redis-server`` on a free 127.0.0.1 port, for the peers (bench/peers.py).
 
     Persistence as a team that cares would set it: the append-only file, flushed once a
@@ -275,64 +274,25 @@ class Redis:
     """
 
     def __init__(self, workdir: Path, processes: Processes, appendfsync: str) -> None:
-        self.workdir = workdir
+        super().__init__(workdir, {"appendonly": "yes", "appendfsync": appendfsync, "save": ""})
         self.processes = processes
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.settings = {"appendonly": "yes", "appendfsync": appendfsync, "save": ""}
         self.version = ""
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
     def start(self) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        if not os.path.exists(binary):
+        if not os.path.exists(BINARY):
             raise BenchError("redis-server is not installed (apt-get install redis-server)")
         self.version = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, check=False
+            [BINARY, "--version"], capture_output=True, text=True, check=False
         ).stdout.strip()
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "redis.log"
-        options = [arg for k, v in self.settings.items() for arg in (f"--{k}", v)]
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", *options,
-             "--dir", str(self.workdir), "--logfile", str(log), "--daemonize", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        self.processes.note("redis", self.proc.pid)
-        deadline = time.monotonic() + 15
-        while not self.answers_ping():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                text = log.read_text()[-2000:] if log.exists() else "no log"
-                raise BenchError(f"redis-server did not start: {text}")
-            time.sleep(0.05)
-
-    def answers_ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+            super().start()
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from None
+        assert self.proc is not None
+        self.processes.note("redis", self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.processes.forget(self.proc.pid)
-        self.proc = None
+        pid = self.pid
+        super().stop()
+        if pid is not None:
+            self.processes.forget(pid)

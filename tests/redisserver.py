@@ -1,4 +1,8 @@
-"""A throwaway ``redis-server`` (Debian's) on a free 127.0.0.1 port, stopped by PID."""
+"""A throwaway ``redis-server`` (Debian's) on a free 127.0.0.1 port, stopped by PID.
+
+The tests use it as the Celery broker; bench/servers.py uses it (with persistence
+settings) for the Powertools peers.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from pgserver import free_port
@@ -14,42 +19,47 @@ BINARY = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 class RedisServer:
-    """``redis-server`` without persistence, for the Celery broker of the tests."""
+    """``redis-server`` with *settings* (``{"appendonly": "yes", ...}``); by default no
+    persistence at all."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, settings: Mapping[str, str] | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+        self.settings = dict(settings) if settings is not None else {"save": "", "appendonly": "no"}
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def start(self) -> None:
+        """Start it and wait (at most 15 s) until it answers PING.
+
+        :raises RuntimeError: it did not start; the message ends with its log.
+        """
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "redis.log"
-        self.process = subprocess.Popen(
-            [
-                BINARY,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--logfile", str(log),
-            ],
+        options = [arg for name, value in self.settings.items() for arg in (f"--{name}", value)]
+        self.proc = subprocess.Popen(
+            [BINARY, "--port", str(self.port), "--bind", "127.0.0.1", *options,
+             "--dir", str(self.workdir), "--logfile", str(log), "--daemonize", "no"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 15
-        while not self._answers_ping():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        while not self.answers_ping():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 text = log.read_text()[-2000:] if log.exists() else "no log"
                 raise RuntimeError(f"redis-server did not start: {text}")
             time.sleep(0.05)
 
-    def _answers_ping(self) -> bool:
+    def answers_ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
@@ -58,12 +68,13 @@ class RedisServer:
             return False
 
     def stop(self) -> None:
-        if self.process is None:
+        if self.proc is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-        self.process = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
