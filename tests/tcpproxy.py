@@ -60,11 +60,14 @@ class TcpProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-                sock.close()
             threads = list(self._threads)
         for thread in threads:
             thread.join(10)
         assert not any(t.is_alive() for t in threads)
+        # Only now: the accept thread may have added a pair after the shutdowns above.
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
 
     def _spawn(self, target: object, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
@@ -87,6 +90,8 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._sockets += [client, upstream]
+            if self._stopping.is_set():  # stop() is closing them
+                return
             self._spawn(self._pump, client, upstream)
             self._spawn(self._pump, upstream, client)
 
