@@ -30,6 +30,7 @@ from .jobs import StagedJob, stage_params
 from .keys import lock_id
 from .model import ClaimOutcome, KeyStatus, StoredResponse
 from .pool import (
+    BoundedConnection,
     bounded,
     is_prepared_statement_failure,
     open_pool,
@@ -214,7 +215,7 @@ class PostgresStore:
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
             **request_params(request),
         }
-        _, row = self._run(self._claim, params, pinned, fetch=True)
+        _, row = self._run(self._claim, params, pinned)
         assert row is not None
         return claim_outcome(row, fingerprint)
 
@@ -287,35 +288,36 @@ class PostgresStore:
         query: Statement,
         params: dict[str, Any],
         pinned: PinnedConnection | None = None,
-        *,
-        fetch: bool = False,
     ) -> tuple[int, tuple[Any, ...] | None]:
-        """Run one statement, on *pinned* or on a pooled connection: its row count and,
-        with *fetch*, its first row. A statement that failed without running runs once
+        """Run one statement, on *pinned* or on a pooled connection: its row count and
+        its first row, if any. A statement that failed without running runs once
         more."""
         try:
-            return self._execute(query, params, pinned, fetch)
+            return self._execute(query, params, pinned)
         except StoreError as exc:
             if pinned is not None or not self._recoverable(exc.__cause__):
                 raise
-        return self._execute(query, params, None, fetch)
+        return self._execute(query, params, None)
 
     def _execute(
-        self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None, fetch: bool
+        self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None
     ) -> tuple[int, tuple[Any, ...] | None]:
-        with self._connection_for(pinned) as conn:
-            with bounded(conn, self.settings.statement_timeout):
-                cur = execute(conn, query, params, self._prepare)
-                return cur.rowcount, cur.fetchone() if fetch else None
-
-    @contextmanager
-    def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
-        if pinned is None:
-            with self.connection() as conn:
-                yield conn
-        else:
+        # What connection() and bounded() do, spelled out: this runs twice per request.
+        conn = self._checkout() if pinned is None else pinned.conn
+        limited = isinstance(conn, BoundedConnection)
+        try:
             with store_errors():
-                yield pinned.conn
+                if limited:
+                    conn.io_timeout = self.settings.statement_timeout  # type: ignore[attr-defined]
+                outcome = execute(conn, query, params, self._prepare)
+                if pinned is None and not conn.autocommit:  # a pool passed in by the app
+                    conn.commit()
+                return outcome
+        finally:
+            if limited:
+                conn.io_timeout = None  # type: ignore[attr-defined]
+            if pinned is None:
+                self.pool.putconn(conn)
 
     # -- transactional views and phases ---------------------------------------------
 
@@ -376,8 +378,8 @@ class PostgresStore:
                 if jobs:
                     params.update(stage_params(jobs))
                 with bounded(conn, self.settings.statement_timeout):
-                    advanced = execute(conn, self._advances[bool(jobs)], params, self._prepare)
-                if advanced.rowcount != 1:
+                    advanced, _ = execute(conn, self._advances[bool(jobs)], params, self._prepare)
+                if advanced != 1:
                     raise AttemptSuperseded(
                         f"attempt {outcome.attempt} no longer owns key {key!r} (its lease ran"
                         " out and another attempt took over); the phase was rolled back"
