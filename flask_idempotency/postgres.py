@@ -143,8 +143,7 @@ class PostgresStore:
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled connection for one unit of work; store failures become StoreError."""
         conn = self._checkout()
-        # getconn/putconn rather than pool.connection(): the extension's connections
-        # are in autocommit, so there is no transaction to end on the way back.
+        # getconn/putconn, not pool.connection(): in autocommit there is nothing to end
         try:
             with store_errors():
                 yield conn
@@ -302,20 +301,20 @@ class PostgresStore:
     def _execute(
         self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None
     ) -> tuple[int, tuple[Any, ...] | None]:
-        # What connection() and bounded() do, spelled out: this runs twice per request.
+        # connection() and bounded() spelled out (no context managers): twice a request
         conn = self._checkout() if pinned is None else pinned.conn
-        limited = isinstance(conn, BoundedConnection)
+        limited = conn if isinstance(conn, BoundedConnection) else None
         try:
             with store_errors():
-                if limited:
-                    conn.io_timeout = self.settings.statement_timeout  # type: ignore[attr-defined]
+                if limited is not None:
+                    limited.io_timeout = self.settings.statement_timeout
                 outcome = execute(conn, query, params, self._prepare)
                 if pinned is None and not conn.autocommit:  # a pool passed in by the app
                     conn.commit()
                 return outcome
         finally:
-            if limited:
-                conn.io_timeout = None  # type: ignore[attr-defined]
+            if limited is not None:
+                limited.io_timeout = None
             if pinned is None:
                 self.pool.putconn(conn)
 

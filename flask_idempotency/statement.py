@@ -8,8 +8,9 @@ its parameters (a name used twice becomes one parameter, sent once).
 :class:`~psycopg.adapt.Transformer` dumps the parameters and loads the row (the same
 adapters, in C, as a cursor uses), libpq sends them, and the connection's
 :meth:`~psycopg.Connection.wait` waits for the answer (so the store's deadline holds).
-What it skips is the cursor's bookkeeping around each statement: measured, it halves
-the client CPU of the claim and the finish (~260 µs → ~130 µs per pair in a tight loop).
+What it skips is the cursor's bookkeeping around each statement. Measured (client CPU,
+sequential): a claim and its finish through the store 281 → 224 µs; a whole new-key
+request 479 → 425 µs above the plain view, a replay 224 → 198 µs (``python -m bench.cost``).
 
 A prepared statement is named after a hash of its text and parameter types: one name
 always means one statement, on every server connection a pooler may route it to.
@@ -18,12 +19,13 @@ always means one statement, on every server connection a pooler may route it to.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
 import xxhash
 from psycopg import errors, generators, pq
+from psycopg.abc import Buffer
 from psycopg.adapt import PyFormat, Transformer
 
 _NAMED = re.compile(r"%\((\w+)\)s")
@@ -85,26 +87,39 @@ def execute(
         conn._idempotency_runner = runner  # type: ignore[attr-defined]
     tx = runner.transformer
     values = tx.dump_sequence(statement.args(params), statement._formats)
-    pgconn = conn.pgconn
     if prepare is False or conn.prepare_threshold is None:
-        pgconn.send_query_params(statement._text, values, tx.types, tx.formats)
+        conn.pgconn.send_query_params(statement._text, values, tx.types, tx.formats)
+        result = conn.wait(generators.execute(conn.pgconn))[-1]
     else:
-        name = runner.prepared.get((statement._text, tx.types))
-        if name is None:
-            name = _prepare(conn, statement._text, tx.types)
-            runner.prepared[statement._text, tx.types] = name
-        pgconn.send_query_prepared(name, values, tx.formats)
-    result = conn.wait(generators.execute(pgconn))[-1]
+        result = _run_prepared(conn, runner, statement._text, values)
+        if _name_lost(result) and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+            # Gone from the server (DISCARD ALL, or a pooler's other server connection):
+            # it never ran; prepared again once. A pooler that loses it again is found
+            # by the caller, which then stops preparing.
+            runner.prepared.clear()
+            result = _run_prepared(conn, runner, statement._text, values)
     if result.status not in _OK:
-        if result.status == pq.ExecStatus.FATAL_ERROR and name_lost(result):
-            runner.prepared.clear()  # re-prepared on the next try
         raise errors.error_from_result(result, encoding=conn.info.encoding)
     tx.set_pgresult(result)
     row = tx.load_row(0, tuple) if result.ntuples else None
     return result.command_tuples or 0, row
 
 
-def name_lost(result: pq.abc.PGresult) -> bool:
+def _run_prepared(
+    conn: psycopg.Connection[Any], runner: _Runner, text: bytes, values: Sequence[Buffer | None]
+) -> pq.abc.PGresult:
+    """Send *text*'s prepared statement (preparing it first if *conn* lacks it); its result."""
+    types = runner.transformer.types
+    name = runner.prepared.get((text, types))
+    if name is None:
+        name = _prepare(conn, text, types)
+        runner.prepared[text, types] = name
+    conn.pgconn.send_query_prepared(name, values, runner.transformer.formats)
+    result: pq.abc.PGresult = conn.wait(generators.execute(conn.pgconn))[-1]
+    return result
+
+
+def _name_lost(result: pq.abc.PGresult) -> bool:
     """True if *result* says a prepared statement is missing on the server."""
     return result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000"
 

@@ -18,6 +18,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from testapp import create_app
 
+import flask_idempotency.postgres
+
 #: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
 #: throwaway one; only the database ``idempotency_test`` on it is (re)created and used.
 DATABASE_URL_ENV = "IDEMPOTENCY_TEST_DATABASE_URL"
@@ -108,16 +110,31 @@ def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[
     def watch(app: Flask) -> list[str]:
         pool = app.extensions["idempotency"].store.pool
         statements: list[str] = []
-        # Every statement goes through a cursor's execute (Connection.execute makes one;
-        # the request path keeps a raw cursor per connection).
-        original = psycopg.Cursor.execute
+        inside = threading.local()
+        # The request path's statements go through statement.execute (below psycopg's
+        # cursor); every other statement through a cursor's execute (Connection.execute
+        # makes one). A cursor used by statement.execute is counted once.
+        run_statement = flask_idempotency.postgres.execute
+        cursor_execute = psycopg.Cursor.execute
 
-        def counting(self: psycopg.Cursor[Any], query: Any, *args: Any, **kw: Any) -> Any:
-            if getattr(self.connection, "_pool", None) is pool:
+        def counting_statement(conn: Any, statement: Any, *args: Any) -> Any:
+            if getattr(conn, "_pool", None) is pool:
+                statements.append(statement.text[:40])
+            inside.active = True
+            try:
+                return run_statement(conn, statement, *args)
+            finally:
+                inside.active = False
+
+        def counting_cursor(self: psycopg.Cursor[Any], query: Any, *args: Any, **kw: Any) -> Any:
+            if getattr(self.connection, "_pool", None) is pool and not getattr(
+                inside, "active", False
+            ):
                 statements.append(str(query)[:40])
-            return original(self, query, *args, **kw)
+            return cursor_execute(self, query, *args, **kw)
 
-        monkeypatch.setattr(psycopg.Cursor, "execute", counting)
+        monkeypatch.setattr(flask_idempotency.postgres, "execute", counting_statement)
+        monkeypatch.setattr(psycopg.Cursor, "execute", counting_cursor)
         return statements
 
     return watch

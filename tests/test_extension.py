@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -233,3 +234,37 @@ def test_a_forked_child_never_closes_its_parents_pool(app: Flask, key: str) -> N
     for _ in range(before):  # every pooled connection still talks to the server
         assert post(app.test_client(), "/payments", f"{key}-{_}").status_code == 201
     assert post(app.test_client(), "/payments", key).headers["Idempotent-Replayed"] == "true"
+
+
+def test_statements_the_server_forgot_are_prepared_again(
+    app: Flask, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = app.test_client()
+    assert post(client, "/payments", key + "-warm").status_code == 201
+    store = app.extensions["idempotency"].store
+    pool = store.pool
+
+    def on_every_pooled_connection(statement: str) -> list[Any]:
+        conns = []
+        while pool.get_stats().get("pool_available", 0):
+            conns.append(pool.getconn())
+        try:
+            cursors = [conn.execute(statement) for conn in conns]
+            return [cur.fetchall() if cur.description else [] for cur in cursors]
+        finally:
+            for conn in conns:
+                pool.putconn(conn)
+
+    # What an app's pool reset hook may do: the server forgets every prepared statement.
+    on_every_pooled_connection("DISCARD ALL")
+    with caplog.at_level(logging.WARNING, "flask_idempotency"):
+        first = post(client, "/payments", key)
+        replay = post(client, "/payments", key)
+    assert first.status_code == 201, first.data
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
+    assert not [r for r in caplog.records if "prepared statements fail" in r.getMessage()]
+    assert store._prepare is not False, "the store still prepares its statements"
+    prepared = on_every_pooled_connection(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE '\\_idem\\_%'"
+    )
+    assert sum(rows[0][0] for rows in prepared) >= 2  # the claim and the finish, again
