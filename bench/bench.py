@@ -109,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     soak.add_argument("--soak-ttl", type=int, default=60, help="IDEMPOTENCY_TTL at full rate")
     soak.add_argument("--soak-clean-every", type=float, default=10, help="seconds between cleans")
     soak.add_argument("--soak-chunk", type=float, default=10, help="seconds per wrk chunk")
+    soak.add_argument(
+        "--soak-workers",
+        action="store_true",
+        help="also run idempotency-complete and idempotency-dispatch --loop 1 all along",
+    )
     soak.add_argument("--soak-plot", default="docs/soak.png", help="the PNG (repository-relative)")
     args = p.parse_args(argv)
     if args.soak and args.time_limit == 1200:  # the default: what the soak needs, and an hour

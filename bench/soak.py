@@ -10,7 +10,9 @@
    ``flask idempotency-clean`` every ``--soak-clean-every`` seconds, the table's size
    (table + indexes + TOAST) sampled every 5 s, and a prober timing one claim every
    50 ms, so that claims made while the cleaner runs are seen. Afterwards every key
-   that ran its view more than once is a double execution.
+   that ran its view more than once is a double execution. With ``--soak-workers`` the
+   completer and the dispatcher of SPEC §9/§10 (``flask idempotency-complete --loop 1``,
+   ``flask idempotency-dispatch --loop 1``) run beside them all along.
 
 The figures go to ``bench/out/soak.json`` and ``soak.txt``, the plot (size and p99 over
 time) to ``--soak-plot`` (default ``docs/soak.png``).
@@ -223,6 +225,7 @@ def phase_rate(
 ) -> dict[str, Any]:
     env = app_env(db.url, exec_dir, FLASK_IDEMPOTENCY_TTL=str(args.soak_ttl))
     server = start_gunicorn(processes, workdir, "soak", args.workers, env)
+    workers = start_workers(processes, workdir, env) if args.soak_workers else []
     background = Background(args, db, env)
     prefix = f"soak{uuid.uuid4().hex[:6]}"
     chunks: list[dict[str, Any]] = []
@@ -256,6 +259,7 @@ def phase_rate(
     finally:
         background.stop()
         stop_gunicorn(processes, server)
+        worker_exits = stop_workers(processes, workers)
     counts = executions_in(exec_dir)
     twice = sum(1 for key, c in counts.items() if c > 1 and key.startswith(prefix))
     return {
@@ -267,8 +271,47 @@ def phase_rate(
         "errors": background.errors,
         "keys_executed": sum(1 for k in counts if k.startswith(prefix)),
         "keys_executed_twice": twice,
+        "workers": worker_exits,
         **summarise_rate(chunks, background),
     }
+
+
+WORKERS = (("idempotency-complete", "--loop", "1"), ("idempotency-dispatch", "--loop", "1"))
+
+
+def start_workers(
+    processes: Processes, workdir: Path, env: dict[str, str]
+) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    """The completer and the dispatcher, each looping every second, logging to workdir."""
+    started = []
+    for command in WORKERS:
+        with open(workdir / f"soak-{command[0]}.log", "wb") as log_file:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "flask", "--app", "bench.app:create_app()", *command],
+                cwd=ROOT,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        processes.note(command[0], child.pid)
+        started.append((command[0], child))
+    return started
+
+
+def stop_workers(
+    processes: Processes, workers: list[tuple[str, subprocess.Popen[bytes]]]
+) -> dict[str, int | None]:
+    """SIGTERM, which each loop obeys after the batch in hand; their exit statuses."""
+    exits: dict[str, int | None] = {}
+    for name, child in workers:
+        child.terminate()
+        try:
+            exits[name] = child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            exits[name] = child.wait()
+        processes.forget(child.pid)
+    return exits
 
 
 def executions_in(exec_dir: Path) -> Any:

@@ -43,6 +43,9 @@ def report(results: dict[str, Any]) -> str:
         f"  keys executed {r['keys_executed']:,}, executed twice or more:"
         f" {r['keys_executed_twice']}",
     ]
+    if r.get("workers"):
+        exits = ", ".join(f"{name} exited {code}" for name, code in r["workers"].items())
+        lines.append(f"  completer and dispatcher (--loop 1) ran all along: {exits}")
     if r["errors"]:
         lines.append(f"  background errors: {r['errors']}")
     return "\n".join(lines) + "\n"

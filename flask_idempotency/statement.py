@@ -13,7 +13,7 @@ sequential): a claim and its finish through the store 281 → 224 µs; a whole n
 request 479 → 425 µs above the plain view, a replay 224 → 198 µs (``python -m bench.cost``).
 
 A prepared statement is named after a hash of its text and parameter types: one name
-always means one statement, on every server connection a pooler may route it to.
+always means one statement, wherever it is found.
 """
 
 from __future__ import annotations
@@ -87,17 +87,17 @@ def execute(
         conn._idempotency_runner = runner  # type: ignore[attr-defined]
     tx = runner.transformer
     values = tx.dump_sequence(statement.args(params), statement._formats)
-    if prepare is False or conn.prepare_threshold is None:
-        conn.pgconn.send_query_params(statement._text, values, tx.types, tx.formats)
-        result = conn.wait(generators.execute(conn.pgconn))[-1]
-    else:
-        result = _run_prepared(conn, runner, statement._text, values)
-        if _name_lost(result) and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
-            # Gone from the server (DISCARD ALL, or a pooler's other server connection):
-            # it never ran; prepared again once. A pooler that loses it again is found
-            # by the caller, which then stops preparing.
-            runner.prepared.clear()
-            result = _run_prepared(conn, runner, statement._text, values)
+    idle = conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+    prepared = prepare is not False and conn.prepare_threshold is not None
+    name = _prepared_name(conn, runner, statement._text, idle) if prepared else None
+    result = _send(conn, runner, statement._text, name, values)
+    if name is not None and idle and _name_lost(result):
+        # Gone from the server (DISCARD ALL, or a pooler's other server connection):
+        # it never ran; prepared again once. A pooler that loses it again is found
+        # by the caller, which then stops preparing.
+        runner.prepared.clear()
+        name = _prepared_name(conn, runner, statement._text, idle)
+        result = _send(conn, runner, statement._text, name, values)
     if result.status not in _OK:
         raise errors.error_from_result(result, encoding=conn.info.encoding)
     tx.set_pgresult(result)
@@ -105,16 +105,31 @@ def execute(
     return result.command_tuples or 0, row
 
 
-def _run_prepared(
-    conn: psycopg.Connection[Any], runner: _Runner, text: bytes, values: Sequence[Buffer | None]
-) -> pq.abc.PGresult:
-    """Send *text*'s prepared statement (preparing it first if *conn* lacks it); its result."""
+def _prepared_name(
+    conn: psycopg.Connection[Any], runner: _Runner, text: bytes, idle: bool
+) -> bytes | None:
+    """The name *text* is prepared under on *conn*, preparing it if need be; ``None``
+    (send it unprepared) inside a transaction, which a failed ``PARSE`` would abort."""
     types = runner.transformer.types
     name = runner.prepared.get((text, types))
+    if name is None and idle:
+        name = runner.prepared[text, types] = _prepare(conn, text, types)
+    return name
+
+
+def _send(
+    conn: psycopg.Connection[Any],
+    runner: _Runner,
+    text: bytes,
+    name: bytes | None,
+    values: Sequence[Buffer | None],
+) -> pq.abc.PGresult:
+    """Send the statement (by *name* if prepared) and wait for its last result."""
+    tx = runner.transformer
     if name is None:
-        name = _prepare(conn, text, types)
-        runner.prepared[text, types] = name
-    conn.pgconn.send_query_prepared(name, values, runner.transformer.formats)
+        conn.pgconn.send_query_params(text, values, tx.types, tx.formats)
+    else:
+        conn.pgconn.send_query_prepared(name, values, tx.formats)
     result: pq.abc.PGresult = conn.wait(generators.execute(conn.pgconn))[-1]
     return result
 
@@ -125,15 +140,16 @@ def _name_lost(result: pq.abc.PGresult) -> bool:
 
 
 def _prepare(conn: psycopg.Connection[Any], text: bytes, types: Any) -> bytes:
-    """Prepare *text* for parameters of *types*; the name it has on the server."""
+    """Prepare *text* for parameters of *types*; the name it has on the server.
+
+    "Already exists" is an error too, though the name says it is the same statement:
+    it means a transaction pooler in between, whose server connections the app's own
+    statements (psycopg's names) cannot share either; the caller stops preparing.
+    """
     name = b"_idem_" + xxhash.xxh64_hexdigest(repr((text, types)).encode()).encode()
     conn.pgconn.send_prepare(name, text, types)
     for result in conn.wait(generators.execute(conn.pgconn)):
-        if result.status != pq.ExecStatus.FATAL_ERROR:
-            continue
-        # Already there (a pooler's server connection has it): the same name is the
-        # same text and types, so it is the statement wanted.
-        if result.error_field(pq.DiagnosticField.SQLSTATE) != b"42P05":
+        if result.status == pq.ExecStatus.FATAL_ERROR:
             raise errors.error_from_result(result, encoding=conn.info.encoding)
     return name
 
