@@ -31,8 +31,20 @@ CREATE TABLE IF NOT EXISTS {table} (
     reconcile_due_at timestamptz,
     reconcile_error text,
     PRIMARY KEY (tenant, key)
-)
+) WITH ({storage})
 """
+
+#: the keys table's autovacuum settings. Every row expires, so a busy table is mostly
+#: rows on their way out: at PostgreSQL's default (a vacuum once 20 % of the rows are
+#: dead) the space the cleaner frees is reused only after a long wait, and a table of
+#: 10 million keys grows by 2 million rows' worth before its first vacuum. At 2 % it
+#: levels off near its live size. An earlier table gets the settings it lacks from
+#: ``flask idempotency-init`` (run by the table's owner); settings already on the
+#: table are the operator's and are kept.
+STORAGE = {
+    "autovacuum_vacuum_scale_factor": "0.02",
+    "autovacuum_vacuum_threshold": "1000",
+}
 
 #: columns added since the 0.1.0 table, with their type and constant default, so that
 #: ``ADD COLUMN`` only changes the catalog (no table rewrite)
@@ -63,16 +75,21 @@ DROP_INDEX_CONCURRENTLY = "DROP INDEX CONCURRENTLY IF EXISTS {name}"
 # transaction on the table makes it give up (and try again) rather than queue every
 # claim behind it.
 ADD_COLUMN = "ADD COLUMN IF NOT EXISTS {column} "
+SET_STORAGE = "ALTER TABLE {table} SET ({storage})"
 LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 # What exists: missing objects (by their to_regclass name), the keys table's columns,
-# and its invalid indexes (a concurrent build that failed).
+# its invalid indexes (a concurrent build that failed), its storage parameters, and
+# whether this role may change them (the table's owner, or a member of its role).
 SCHEMA_STATE = """
 SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclass(name) IS NULL),
        ARRAY(SELECT attname::text FROM pg_attribute
              WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped),
        ARRAY(SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
-             WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid)
+             WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid),
+       coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
+       coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
+                 WHERE oid = to_regclass(%(table)s)), false)
 """
 
 # The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds

@@ -30,6 +30,8 @@ from .queries import (
     JOBS_SCHEMA,
     LOCK_TIMEOUT,
     SCHEMA_STATE,
+    SET_STORAGE,
+    STORAGE,
     TABLE,
     UPGRADE_COLUMNS,
 )
@@ -52,6 +54,10 @@ class SchemaState:
     columns: frozenset[str]
     #: indexes of the keys table whose concurrent build failed
     invalid: frozenset[str]
+    #: the keys table's storage parameters, as ``name=value``
+    options: frozenset[str] = frozenset()
+    #: whether this role may change them (owns the table)
+    owned: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +102,7 @@ class Schema:
         self.steps: list[Step] = [
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
+            Step("autovacuum settings", self._lacks_storage, self._set_storage),
             *(
                 Step(f"index {index}", self._lacks_index(index), self._index_builder(index))
                 for index in self.indexes
@@ -109,7 +116,10 @@ class Schema:
         params = {"names": list(self._regclass.values()), "table": self._regclass["table"]}
         row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
         assert row is not None
-        return SchemaState(frozenset(row[0]), frozenset(row[1]), frozenset(row[2]))
+        missing, columns, invalid, options, owned = row
+        return SchemaState(
+            frozenset(missing), frozenset(columns), frozenset(invalid), frozenset(options), owned
+        )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
         """True if every table, column and index exists (and every index is valid)."""
@@ -146,7 +156,8 @@ class Schema:
 
     def _create_all(self, conn: psycopg.Connection[Any]) -> None:
         with conn.transaction():
-            conn.execute(sql.SQL(TABLE).format(table=self.table), prepare=False)
+            storage = _storage(STORAGE)
+            conn.execute(sql.SQL(TABLE).format(table=self.table, storage=storage), prepare=False)
             for index, definition in self.indexes.items():
                 conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
         self._create_jobs(conn)
@@ -177,7 +188,28 @@ class Schema:
             sql.SQL(ADD_COLUMN).format(column=sql.Identifier(column)) + sql.SQL(definition)
             for column, definition in UPGRADE_COLUMNS
         ]
-        alter = sql.SQL("ALTER TABLE {} ").format(self.table) + sql.SQL(", ").join(parts)
+        self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.table) + sql.SQL(", ").join(parts))
+
+    def _missing_storage(self, state: SchemaState) -> dict[str, str]:
+        """The autovacuum settings the table lacks (those it has are the operator's)."""
+        present = {option.split("=", 1)[0] for option in state.options}
+        return {name: value for name, value in STORAGE.items() if name not in present}
+
+    def _lacks_storage(self, state: SchemaState) -> bool:
+        # Only the owner may change them; an app whose role has DML only goes on
+        # without (flask idempotency-init, run by the owner, sets them).
+        return state.owned and bool(self._missing_storage(state))
+
+    def _set_storage(self, conn: psycopg.Connection[Any]) -> None:
+        # SHARE UPDATE EXCLUSIVE: claims go on; it only waits for a running VACUUM,
+        # which gives way to it.
+        missing = self._missing_storage(self.state(conn))
+        storage = _storage(missing)
+        self._alter(conn, sql.SQL(SET_STORAGE).format(table=self.table, storage=storage))
+
+    def _alter(self, conn: psycopg.Connection[Any], alter: sql.Composed) -> None:
+        """Run *alter* under a short lock timeout, trying again while a long
+        transaction holds the table, rather than queueing every claim behind it."""
         for tries_left in range(LOCK_TRIES - 1, -1, -1):
             try:
                 with conn.transaction():
@@ -241,6 +273,11 @@ def _autocommit(conn: psycopg.Connection[Any]) -> Iterator[None]:
     finally:
         if not conn.closed:
             conn.autocommit = False
+
+
+def _storage(options: dict[str, str]) -> sql.Composed:
+    """``name = value, ...`` of a ``WITH`` or ``SET`` (names and values are constants)."""
+    return sql.SQL(", ").join(sql.SQL(f"{name} = {value}") for name, value in options.items())
 
 
 def _quoted(identifier: str) -> str:

@@ -98,6 +98,14 @@ def test_the_app_needs_only_dml_on_the_table(
     db.execute(sql.SQL("GRANT INSERT ON ledger TO {}").format(name))
     db.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON orders TO {}").format(name))
 
+    # A table from before the autovacuum settings: only its owner may set them, and
+    # the role goes on without trying (and failing) to.
+    db.execute(
+        sql.SQL(
+            "ALTER TABLE {} RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold)"
+        ).format(table)
+    )
+
     # The role really is limited: it can create nothing, not even an index on the table.
     with psycopg.connect(role.url, autocommit=True) as conn:
         for statement in (
@@ -180,6 +188,9 @@ def test_the_app_needs_only_dml_on_the_table(
     assert dispatch.exit_code == 0, dispatch.output
     assert [(job.name, job.key) for job in received] == [("send_receipt", key + "-stage")]
     assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(jobs_table)).fetchone() == (0,)
+    assert db.execute(
+        "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)", (role.table,)
+    ).fetchone() == (None,)
 
 
 def test_listen_and_notify_need_no_privilege(limited_role: LimitedRole) -> None:

@@ -18,7 +18,7 @@ from helpers import DB, post, wait_until
 from psycopg import sql
 
 from flask_idempotency.fingerprint import fingerprint
-from flask_idempotency.queries import UPGRADE_COLUMNS
+from flask_idempotency.queries import STORAGE, UPGRADE_COLUMNS
 
 ROWS = 50_000
 
@@ -74,6 +74,15 @@ def valid_indexes(db: DB, table: str) -> set[str]:
         (table,),
     ).fetchall()
     return {r[0] for r in rows}
+
+
+def storage(db: DB, table: str) -> dict[str, str]:
+    """The table's storage parameters (``ALTER TABLE ... SET``), by name."""
+    row = db.execute(
+        "SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = to_regclass(%s)", (table,)
+    ).fetchone()
+    assert row is not None
+    return dict(option.split("=", 1) for option in row[0])
 
 
 @pytest.fixture
@@ -137,6 +146,7 @@ def test_init_upgrades_a_populated_old_table_online(
     assert max(latencies) < 1.0
     assert new_columns <= columns(db, old_table)
     assert f"{old_table}_complete_idx" in valid_indexes(db, old_table)
+    assert storage(db, old_table) == STORAGE
     defaults = db.execute(
         sql.SQL("SELECT count(*), sum(reconcile_attempts) FROM {} WHERE request IS NULL").format(
             sql.Identifier(old_table)
@@ -166,6 +176,37 @@ def test_the_first_request_upgrades_and_old_keys_still_replay(
     fresh = post(app.test_client(), "/payments", f"new-{uuid.uuid4()}")
     assert fresh.status_code == 201
     assert {name for name, _ in UPGRADE_COLUMNS} <= columns(db, old_table)
+
+
+def test_a_new_table_has_the_autovacuum_settings(make_app: Callable[..., Flask], db: DB) -> None:
+    table = f"fresh_{uuid.uuid4().hex[:8]}"
+    app = app_on(make_app, table)
+    result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert result.exit_code == 0 and result.output.startswith("created table"), result.output
+    assert storage(db, table) == {
+        "autovacuum_vacuum_scale_factor": "0.02",
+        "autovacuum_vacuum_threshold": "1000",
+    }
+    db.execute(
+        sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
+    )
+
+
+def test_the_operators_own_autovacuum_settings_are_kept(
+    make_app: Callable[..., Flask], db: DB, old_table: str
+) -> None:
+    table = sql.Identifier(old_table)
+    db.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_vacuum_threshold = 5000)").format(table))
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert result.exit_code == 0, result.output
+    assert "autovacuum settings" in result.output
+    assert storage(db, old_table) == {**STORAGE, "autovacuum_vacuum_threshold": "5000"}
+    # Settings the operator changed later are theirs too: init leaves the table alone.
+    db.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_vacuum_scale_factor = 0.005)").format(table))
+    again = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert again.exit_code == 0 and "already exists" in again.output, again.output
+    assert storage(db, old_table)["autovacuum_vacuum_scale_factor"] == "0.005"
 
 
 def test_the_upgrade_gives_way_to_a_long_transaction_instead_of_queueing_claims(
