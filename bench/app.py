@@ -72,6 +72,9 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
     app.config["IDEMPOTENCY_DATABASE_URL"] = url
     app.config.from_prefixed_env()
     idempotency = Idempotency(app)
+    # `flask idempotency-dispatch` (the soak's --soak-workers) needs a dispatcher; the
+    # bench's views stage no jobs, so it only ever polls.
+    idempotency.dispatcher(lambda job: None)
     # The hand-rolled variant's pool: what a user would write (autocommit, psycopg's
     # default prepare threshold), opened on first use in each worker.
     pool: ConnectionPool[Any] = ConnectionPool(
