@@ -56,6 +56,9 @@ IN_LIBPQ = (
     "BaseCursor._send_query_prepared (psycopg",
     "BaseCursor._send_prepare (psycopg",
     "BaseCursor._execute_send (psycopg",
+    # flask_idempotency/statement.py: its libpq send (the waits are Connection.wait)
+    "_send (flask_idempotency",
+    "_prepare (flask_idempotency",
 )
 
 
