@@ -9,8 +9,8 @@ its parameters (a name used twice becomes one parameter, sent once).
 adapters, in C, as a cursor uses), libpq sends them, and the connection's
 :meth:`~psycopg.Connection.wait` waits for the answer (so the store's deadline holds).
 What it skips is the cursor's bookkeeping around each statement. Measured (client CPU,
-sequential): a claim and its finish through the store 281 → 224 µs; a whole new-key
-request 479 → 425 µs above the plain view, a replay 224 → 198 µs (``python -m bench.cost``).
+sequential, ``python -m bench.cost``): a claim and its finish through the store 281 → 224 µs;
+a whole new-key request 875 → 761 µs, a replay 551 → 527 µs (docs/performance.md).
 
 A prepared statement is named after a hash of its text and parameter types: one name
 always means one statement, wherever it is found.
