@@ -9,7 +9,7 @@ MIB = 2**20
 
 
 def report(results: dict[str, Any]) -> str:
-    c, r, m = results["claims"], results["rate"], results["machine"]
+    c, m = results["claims"], results["machine"]
     lines = [
         f"soak: {results['command']}",
         f"machine: {m['cpus']} CPUs, busy {m['busy_before_start']:.0%} before the start,"
@@ -22,6 +22,11 @@ def report(results: dict[str, Any]) -> str:
         f" {c['loaded']['p99_ms']:.2f} ms  max {c['loaded']['max_ms']:.2f} ms",
         f"  ratio loaded/empty: p50 {c['p50_ratio']:.2f}, p99 {c['p99_ratio']:.2f}"
         f" (bulk load {c['load_seconds']} s, {c['size_bytes'] / MIB:,.0f} MiB)",
+    ]
+    if "rate" not in results:  # --soak-minutes 0
+        return "\n".join(lines) + "\n"
+    r = results["rate"]
+    lines += [
         "",
         f"full rate with IDEMPOTENCY_TTL={r['ttl']} s, flask idempotency-clean every"
         f" {results['options']['soak_clean_every']} s, {len(r['chunks'])} chunks:",
