@@ -30,7 +30,6 @@ from .jobs import StagedJob, stage_params
 from .keys import lock_id
 from .model import ClaimOutcome, KeyStatus, StoredResponse
 from .pool import (
-    BoundedConnection,
     bounded,
     is_prepared_statement_failure,
     open_pool,
@@ -301,22 +300,18 @@ class PostgresStore:
     def _execute(
         self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None
     ) -> tuple[int, tuple[Any, ...] | None]:
-        # connection() and bounded() spelled out (no context managers): twice a request
-        conn = self._checkout() if pinned is None else pinned.conn
-        limited = conn if isinstance(conn, BoundedConnection) else None
-        try:
+        with self._connection_for(pinned) as conn:
+            with bounded(conn, self.settings.statement_timeout):
+                return execute(conn, query, params, self._prepare)
+
+    @contextmanager
+    def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
+        if pinned is None:
+            with self.connection() as conn:
+                yield conn
+        else:
             with store_errors():
-                if limited is not None:
-                    limited.io_timeout = self.settings.statement_timeout
-                outcome = execute(conn, query, params, self._prepare)
-                if pinned is None and not conn.autocommit:  # a pool passed in by the app
-                    conn.commit()
-                return outcome
-        finally:
-            if limited is not None:
-                limited.io_timeout = None
-            if pinned is None:
-                self.pool.putconn(conn)
+                yield pinned.conn
 
     # -- transactional views and phases ---------------------------------------------
 

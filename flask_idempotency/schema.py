@@ -55,9 +55,9 @@ class SchemaState:
     #: indexes of the keys table whose concurrent build failed
     invalid: frozenset[str]
     #: the keys table's storage parameters, as ``name=value``
-    options: frozenset[str] = frozenset()
+    options: frozenset[str]
     #: whether this role may change them (owns the table)
-    owned: bool = False
+    owned: bool
 
 
 @dataclasses.dataclass(frozen=True)

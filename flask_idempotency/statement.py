@@ -84,7 +84,10 @@ def execute(
     runner: _Runner | None = getattr(conn, "_idempotency_runner", None)
     if runner is None:
         runner = _Runner(conn)
-        conn._idempotency_runner = runner  # type: ignore[attr-defined]
+        try:
+            conn._idempotency_runner = runner  # type: ignore[attr-defined]
+        except AttributeError:  # a connection class with __slots__: a runner per call
+            pass
     tx = runner.transformer
     values = tx.dump_sequence(statement.args(params), statement._formats)
     idle = conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
