@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -29,6 +30,13 @@ from .postgres import PostgresStore
 from .reconciler import RETRYABLE, ReconcileFunction, resolve
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
+from .view_order import (
+    WRAPPER_MARK,
+    check_app,
+    check_before_first_request,
+    check_view,
+    mark_wrapped,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -41,8 +49,6 @@ logger = logging.getLogger("flask_idempotency")
 #: RFC 9110 §9.2.1: a client may repeat these freely, so a key means nothing on them
 #: (and storing their answers for a day would serve stale reads)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-#: set on every view ``idempotent()`` wraps, so that its routes can be checked
-_MARK = "_flask_idempotency_view"
 
 
 class Idempotency:
@@ -63,6 +69,9 @@ class Idempotency:
         self.reconcile_key: ReconcileFunction | None = None
         #: hands committed staged jobs to a queue (see :meth:`dispatcher`)
         self.dispatch_job: DispatchFunction | None = None
+        #: the apps this extension is initialised on, whose routes ``idempotent()``
+        #: checks when it wraps a view (decorators in the wrong order)
+        self._apps: weakref.WeakSet[Flask] = weakref.WeakSet()
         if app is not None:
             self.init_app(app, pool=pool)
 
@@ -88,7 +97,10 @@ class Idempotency:
         for name, value in DEFAULTS.items():
             app.config.setdefault(name, value)
         settings = load_settings(app.config, pool_given=pool is not None)
+        check_app(app)
         _refuse_safe_methods(app)
+        check_before_first_request(app)
+        self._apps.add(app)
         app.extensions[EXTENSION_NAME] = IdempotencyState(
             self, settings, PostgresStore(settings, pool)
         )
@@ -155,9 +167,12 @@ class Idempotency:
                     return early  # type: ignore[return-value]
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
 
-            setattr(wrapper, _MARK, True)
+            setattr(wrapper, WRAPPER_MARK, True)
             # how the completer finds the route's options (functools.wraps carries it on)
             setattr(wrapper, ROUTE_ATTRIBUTE, overrides)
+            mark_wrapped(view)
+            for app in list(self._apps):  # written above @app.post(...)?
+                check_app(app)
             return wrapper
 
         return decorator(view) if view is not None else decorator
@@ -241,13 +256,14 @@ def _refuse_safe_methods(app: Flask) -> None:
         register(rule, endpoint, *args, **kwargs)
         for added in app.url_map.iter_rules():
             if added.rule == rule:
+                check_view(added.endpoint, app.view_functions.get(added.endpoint))
                 _check_rule(app, added)
 
     app.add_url_rule = add_url_rule  # type: ignore[method-assign]
 
 
 def _check_rule(app: Flask, rule: Rule) -> None:
-    if not getattr(app.view_functions.get(rule.endpoint), _MARK, False):
+    if not getattr(app.view_functions.get(rule.endpoint), WRAPPER_MARK, False):
         return
     methods = set(rule.methods or ())
     if getattr(rule, "provide_automatic_options", False):
