@@ -15,6 +15,7 @@ from werkzeug.local import LocalProxy
 from .config import RouteSettings
 from .jobs import StagedJob, staged_job
 from .model import ClaimOutcome
+from .owned_connection import OwnedConnection
 
 if TYPE_CHECKING:
     from .postgres import PinnedConnection, PostgresStore
@@ -52,6 +53,8 @@ class ClaimedKey:
         #: the connection held for a ``transactional=True`` view, inside the claim's
         #: open transaction
         self.pinned = pinned
+        #: what the view gets as :attr:`connection`: the pinned one, minus commit()
+        self._owned = OwnedConnection(pinned.conn) if pinned is not None else None
         #: jobs staged outside any phase: they commit with the stored response
         self.jobs: list[StagedJob] = []
         #: jobs staged in the running phase: they commit with it
@@ -71,14 +74,16 @@ class ClaimedKey:
     def connection(self) -> psycopg.Connection[Any]:
         """The claim's psycopg connection, inside its open transaction (views decorated
         with ``transactional=True`` only). The view's writes on it commit together with
-        the stored response, once; do not commit or roll back yourself."""
-        if self.pinned is None:
+        the stored response, once. Its transaction belongs to the key: ``commit()``,
+        ``rollback()``, ``close()`` and setting ``autocommit`` raise an
+        :class:`IdempotencyError`; savepoints (``connection.transaction()``) work."""
+        if self._owned is None:
             raise RuntimeError(
                 "current_idempotency.connection exists only in views decorated with"
                 " @idempotency.idempotent(transactional=True); use"
                 " current_idempotency.phase(name) for committed steps in other views."
             )
-        return self.pinned.conn
+        return cast("psycopg.Connection[Any]", self._owned)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[psycopg.Connection[Any]]:

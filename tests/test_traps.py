@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
-from flask import Blueprint, Flask
+from flask import Blueprint, Flask, request
+from psycopg.rows import TupleRow
 
-from flask_idempotency import ConfigError, Idempotency
+from flask_idempotency import ConfigError, Idempotency, IdempotencyError, current_idempotency
+
+DB = psycopg.Connection[TupleRow]
 
 URL = "postgresql://localhost/never-used"
 
@@ -102,3 +107,75 @@ def test_decorators_in_the_right_order_are_accepted() -> None:
 
     app.register_blueprint(shop)
     assert {"pay", "shop.refund"} <= set(app.view_functions)
+
+
+# -- 2. the transaction of a transactional view belongs to the key -----------------------
+
+
+@pytest.fixture
+def owned_app(database_url: str, db: DB) -> Iterator[Flask]:
+    """A transactional view that writes a row, then does what ``X-Do`` says."""
+    db.execute("CREATE TABLE IF NOT EXISTS trap_rows (key text NOT NULL)")
+    app = new_app(database_url)
+    idempotency = Idempotency(app)
+    idempotency.tenant_loader(lambda: "")
+
+    @app.post("/rows")
+    @idempotency.idempotent(transactional=True)
+    def write() -> tuple[str, int]:
+        conn = current_idempotency.connection
+        conn.execute("INSERT INTO trap_rows VALUES (%s)", (current_idempotency.key,))
+        what = request.headers.get("X-Do", "")
+        if what == "savepoint":
+            with conn.transaction():
+                conn.execute("INSERT INTO trap_rows VALUES (%s)", (current_idempotency.key,))
+            with pytest.raises(ZeroDivisionError), conn.transaction():
+                conn.execute("INSERT INTO trap_rows VALUES (%s)", (current_idempotency.key,))
+                raise ZeroDivisionError  # rolls back to the savepoint only
+        elif what == "commit":
+            conn.commit()
+        elif what == "rollback":
+            conn.rollback()
+        elif what == "autocommit":
+            conn.autocommit = True
+        elif what == "set_autocommit":
+            conn.set_autocommit(True)
+        elif what == "with":
+            with conn:
+                pass
+        return "written", 201
+
+    yield app
+    app.extensions["idempotency"].store.close()
+
+
+def count(db: DB, query: str, key: str) -> int:
+    row = db.execute(query, (key,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("what", ["commit", "rollback", "autocommit", "set_autocommit", "with"])
+def test_ending_the_keys_transaction_in_the_view_is_refused(
+    owned_app: Flask, db: DB, key: str, what: str
+) -> None:
+    owned_app.testing = True
+    with pytest.raises(IdempotencyError, match="belongs to the idempotency key"):
+        owned_app.test_client().post("/rows", headers={"Idempotency-Key": key, "X-Do": what})
+    # Nothing of the view committed, and the key is free for a retry (not processing).
+    assert count(db, "SELECT count(*) FROM trap_rows WHERE key = %s", key) == 0
+    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE key = %s", key) == 0
+    owned_app.testing = False
+    retry = owned_app.test_client().post("/rows", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert count(db, "SELECT count(*) FROM trap_rows WHERE key = %s", key) == 1
+
+
+def test_savepoints_stay_allowed_and_end_with_the_key(owned_app: Flask, db: DB, key: str) -> None:
+    client = owned_app.test_client()
+    first = client.post("/rows", headers={"Idempotency-Key": key, "X-Do": "savepoint"})
+    assert first.status_code == 201, first.data
+    # The row before the savepoints and the one of the kept savepoint.
+    assert count(db, "SELECT count(*) FROM trap_rows WHERE key = %s", key) == 2
+    replay = client.post("/rows", headers={"Idempotency-Key": key, "X-Do": "savepoint"})
+    assert replay.headers["Idempotent-Replayed"] == "true"
