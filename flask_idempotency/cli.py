@@ -144,7 +144,10 @@ def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
 @click.option(
     "--failing-jobs",
     is_flag=True,
-    help="List the staged jobs whose last hand-over failed (or whose name no dispatcher knows).",
+    help=(
+        "List the staged jobs, not dead, whose hand-over failed at least once (or whose"
+        " name no dispatcher knows) instead."
+    ),
 )
 @click.option(
     "--exhausted",

@@ -105,7 +105,8 @@ class Maintenance:
         return self._rowcount(RESOLVE_KEY, params) == 1
 
     def list_jobs(self, *, dead: bool, limit: int) -> list[dict[str, Any]]:
-        """Dead staged jobs (``dead=True``), or the live ones whose last hand-over failed."""
+        """Dead staged jobs (``dead=True``), or the failing ones: not dead, and whose
+        hand-over failed at least once (a job never tried is not failing)."""
         with self.store.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(

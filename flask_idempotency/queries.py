@@ -334,11 +334,13 @@ FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
 WHERE j.id = failed.id
 """
 
+# The dead jobs, or the failing ones: tried and failed at least once, not dead (a job
+# never tried is only pending; one an operator retried starts again at 0 attempts).
 LIST_JOBS = """
 SELECT id::text, tenant, key, name, attempts, dead, due_at, last_error,
        now() - created_at AS age
 FROM {jobs}
-WHERE dead = %(dead)s OR (NOT %(dead)s AND last_error IS NOT NULL)
+WHERE dead = %(dead)s AND (dead OR attempts > 0)
 ORDER BY created_at
 LIMIT %(limit)s
 """

@@ -179,3 +179,31 @@ def test_savepoints_stay_allowed_and_end_with_the_key(owned_app: Flask, db: DB, 
     assert count(db, "SELECT count(*) FROM trap_rows WHERE key = %s", key) == 2
     replay = client.post("/rows", headers={"Idempotency-Key": key, "X-Do": "savepoint"})
     assert replay.headers["Idempotent-Replayed"] == "true"
+
+
+# -- 3. lists say what they mean -------------------------------------------------------
+
+
+def test_failing_jobs_are_the_tried_and_failed_ones_not_dead(app: Flask, db: DB, key: str) -> None:
+    runner = app.test_cli_runner()
+    assert runner.invoke(args=["idempotency-init"]).exit_code == 0
+    jobs = {
+        "never_tried": (0, False, None),
+        "failing": (2, False, "broker down"),
+        "retried_by_hand": (0, False, "broker down, then retried"),
+        "dead": (3, True, "broker down for good"),
+    }
+    for name, (attempts, dead, error) in jobs.items():
+        db.execute(
+            "INSERT INTO idempotency_jobs (id, tenant, key, name, payload, attempts, dead,"
+            " last_error) VALUES (gen_random_uuid(), '', %s, %s, 'null', %s, %s, %s)",
+            (key, name, attempts, dead, error),
+        )
+
+    def listed(flag: str) -> set[str]:
+        result = runner.invoke(args=["idempotency-list", flag, "--limit", "100000"])
+        assert result.exit_code == 0, result.output
+        return {line.split()[1] for line in result.output.splitlines() if key in line}
+
+    assert listed("--failing-jobs") == {"failing"}
+    assert listed("--dead-jobs") == {"dead"}
