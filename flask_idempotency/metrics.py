@@ -11,6 +11,8 @@ multiprocess collector under gunicorn).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +23,6 @@ from prometheus_client.registry import Collector
 
 from . import signals
 from .errors import StoreError
-from .maintenance import Maintenance
 from .state import get_state
 
 #: the ``decision`` label → the signal it counts
@@ -55,10 +56,83 @@ class PrometheusMetrics:
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
       keys in ``unknown``, and unknown keys whose reconciliation gave up
       (``exhausted``), read from the database when scraped. Alert on them.
+
+    Creating it does no I/O: the database is read only when the registry is scraped
+    (nothing is opened before gunicorn forks, and a CLI command is not slowed by a
+    database that is down). The metrics belong to the *registry*: every app of the
+    process that uses the same registry counts into the same series (a second
+    ``create_app()`` is no error), and the stuck keys of each distinct table are read
+    once per scrape. Pass a registry of its own to keep an app's metrics apart.
     """
 
     def __init__(self, app: Flask | None = None, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
+        with _LOCK:
+            families = _FAMILIES.get(registry)
+            if families is None:
+                families = _FAMILIES[registry] = _Families(registry)
+        self._families = families
+        self.decisions = families.decisions
+        self.claim_seconds = families.claim_seconds
+        self.misuse = families.misuse
+        self.completer = families.completer
+        self.reconcile = families.reconcile
+        self.resolved = families.resolved
+        self.cleaned = families.cleaned
+        self._receivers: list[Any] = []
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Subscribe to *app*'s signals and report its stuck keys."""
+        for name, signal in DECISIONS.items():
+
+            def receive(sender: Flask, _name: str = name, **kwargs: Any) -> None:
+                self.decisions.labels(_name).inc()
+                if "claim_seconds" in kwargs:
+                    self.claim_seconds.observe(kwargs["claim_seconds"])
+
+            signal.connect(receive, app)
+            self._receivers.append(receive)  # blinker holds receivers weakly
+        for signal, receiver in self._background_receivers().items():
+            signal.connect(receiver, app)
+            self._receivers.append(receiver)
+        app.extensions["idempotency_metrics"] = self  # and so keeps them alive with the app
+        self._families.stuck.add(app)
+
+    def _background_receivers(self) -> dict[Any, Any]:
+        """The receivers of the signals that are not request decisions."""
+
+        def scheduled(sender: Flask, error: BaseException | None = None, **_: Any) -> None:
+            self.reconcile.labels("scheduled" if error is None else "failed").inc()
+
+        def resolved(sender: Flask, status: str = "", source: str = "", **_: Any) -> None:
+            self.reconcile.labels("resolved").inc()
+            self.resolved.labels(status, source).inc()
+
+        def cleaned(sender: Flask, deleted: int = 0, marked: int = 0, **_: Any) -> None:
+            self.cleaned.labels("deleted").inc(deleted)
+            self.cleaned.labels("marked").inc(marked)
+
+        return {
+            signals.mismatch: lambda sender, **_: self.misuse.inc(),
+            signals.completer_finished: lambda sender, status="", **_: self.completer.labels(
+                status
+            ).inc(),
+            signals.completer_skipped: lambda sender, **_: self.completer.labels("skipped").inc(),
+            signals.reconcile_scheduled: scheduled,
+            signals.reconcile_resolved: resolved,
+            signals.reconcile_exhausted: lambda sender, **_: self.reconcile.labels(
+                "exhausted"
+            ).inc(),
+            signals.keys_cleaned: cleaned,
+        }
+
+
+class _Families:
+    """The metric objects of one registry, made once, shared by every app using it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = Counter(
             "idempotency_decisions",
             "Idempotency decisions, by kind.",
@@ -98,74 +172,52 @@ class PrometheusMetrics:
             ["action"],
             registry=registry,
         )
-        self._receivers: list[Any] = []
-        if app is not None:
-            self.init_app(app)
+        self.stuck = StuckKeysCollector()
+        registry.register(self.stuck)  # describe(): no query at registration
 
-    def init_app(self, app: Flask) -> None:
-        """Subscribe to *app*'s signals and report its stuck keys."""
-        for name, signal in DECISIONS.items():
 
-            def receive(sender: Flask, _name: str = name, **kwargs: Any) -> None:
-                self.decisions.labels(_name).inc()
-                if "claim_seconds" in kwargs:
-                    self.claim_seconds.observe(kwargs["claim_seconds"])
-
-            signal.connect(receive, app)
-            self._receivers.append(receive)  # blinker holds receivers weakly
-        for signal, receiver in self._background_receivers().items():
-            signal.connect(receiver, app)
-            self._receivers.append(receiver)
-        app.extensions["idempotency_metrics"] = self  # and so keeps them alive with the app
-        state = get_state(app)
-        collector = StuckKeysCollector(state.maintenance, state.settings.reconcile_max_attempts)
-        self.registry.register(collector)
-
-    def _background_receivers(self) -> dict[Any, Any]:
-        """The receivers of the signals that are not request decisions."""
-
-        def scheduled(sender: Flask, error: BaseException | None = None, **_: Any) -> None:
-            self.reconcile.labels("scheduled" if error is None else "failed").inc()
-
-        def resolved(sender: Flask, status: str = "", source: str = "", **_: Any) -> None:
-            self.reconcile.labels("resolved").inc()
-            self.resolved.labels(status, source).inc()
-
-        def cleaned(sender: Flask, deleted: int = 0, marked: int = 0, **_: Any) -> None:
-            self.cleaned.labels("deleted").inc(deleted)
-            self.cleaned.labels("marked").inc(marked)
-
-        return {
-            signals.mismatch: lambda sender, **_: self.misuse.inc(),
-            signals.completer_finished: lambda sender, status="", **_: self.completer.labels(
-                status
-            ).inc(),
-            signals.completer_skipped: lambda sender, **_: self.completer.labels("skipped").inc(),
-            signals.reconcile_scheduled: scheduled,
-            signals.reconcile_resolved: resolved,
-            signals.reconcile_exhausted: lambda sender, **_: self.reconcile.labels(
-                "exhausted"
-            ).inc(),
-            signals.keys_cleaned: cleaned,
-        }
+#: one set of metric objects per registry (a registry refuses a name twice)
+_FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
 class StuckKeysCollector(Collector):
-    """Reads how many keys are stuck, at scrape time, with one indexed query."""
+    """Reads how many keys are stuck, at scrape time, with one indexed query per
+    distinct table of the apps it serves (apps are held weakly)."""
 
-    def __init__(self, maintenance: Maintenance, max_attempts: int) -> None:
-        self.maintenance = maintenance
-        self.max_attempts = max_attempts
+    def __init__(self) -> None:
+        self._apps: weakref.WeakSet[Flask] = weakref.WeakSet()
+
+    def add(self, app: Flask) -> None:
+        """Report *app*'s stuck keys too (no I/O)."""
+        self._apps.add(app)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """What :meth:`collect` yields, without reading the database: the registry
+        calls this when the collector is registered."""
+        yield self._family()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
+        counts: dict[tuple[str, str], tuple[int, int, int]] = {}
+        for app in list(self._apps):
+            state = get_state(app)
+            # apps on one table (several create_app() of one service) count once
+            where = (state.settings.database_url or str(id(state.store)), state.settings.table)
+            if where in counts:
+                continue
+            try:
+                counts[where] = state.maintenance.count_stuck(state.settings.reconcile_max_attempts)
+            except StoreError:
+                continue
+        if not counts:
+            return
+        family = self._family()
+        for index, state_name in enumerate(("abandoned", "unknown", "exhausted")):
+            family.add_metric([state_name], sum(row[index] for row in counts.values()))
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
             "idempotency_stuck_keys", "Keys that need attention, by state.", labels=["state"]
         )
-        try:
-            abandoned, unknown, exhausted = self.maintenance.count_stuck(self.max_attempts)
-        except StoreError:
-            return
-        family.add_metric(["abandoned"], abandoned)
-        family.add_metric(["unknown"], unknown)
-        family.add_metric(["exhausted"], exhausted)
-        yield family

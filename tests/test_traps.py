@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from flask import Blueprint, Flask, request
+from helpers import post
+from prometheus_client import CollectorRegistry, generate_latest
 from psycopg.rows import TupleRow
 
 from flask_idempotency import ConfigError, Idempotency, IdempotencyError, current_idempotency
+from flask_idempotency.metrics import PrometheusMetrics
 
 DB = psycopg.Connection[TupleRow]
 
@@ -207,3 +212,43 @@ def test_failing_jobs_are_the_tried_and_failed_ones_not_dead(app: Flask, db: DB,
 
     assert listed("--failing-jobs") == {"failing"}
     assert listed("--dead-jobs") == {"dead"}
+
+
+# -- 4. metrics do no I/O until scraped ------------------------------------------------
+
+
+def test_creating_metrics_opens_no_connection(tmp_path: Any) -> None:
+    """The database "down": a socket that listens and never answers. Registering the
+    metrics (with a registry that describes collectors, as the default one does) must
+    not even try it."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.setblocking(False)
+    port = silent.getsockname()[1]
+    try:
+        app = new_app(f"postgresql://u@127.0.0.1:{port}/db", IDEMPOTENCY_POOL_TIMEOUT=1)
+        Idempotency(app)
+        started = time.monotonic()
+        registry = CollectorRegistry(auto_describe=True)
+        PrometheusMetrics(app, registry=registry)
+        assert time.monotonic() - started < 0.5
+        with pytest.raises(BlockingIOError):
+            silent.accept()  # nobody knocked
+    finally:
+        silent.close()
+
+
+def test_two_apps_in_one_process_each_have_metrics(
+    make_app: Callable[..., Flask], key: str
+) -> None:
+    registry = CollectorRegistry(auto_describe=True)
+    first, second = make_app(), make_app()
+    PrometheusMetrics(first, registry=registry)
+    PrometheusMetrics(second, registry=registry)  # was: Duplicated timeseries
+    for number, app in enumerate((first, second)):
+        assert post(app.test_client(), "/payments", f"{key}-{number}").status_code == 201
+    assert registry.get_sample_value("idempotency_decisions_total", {"decision": "stored"}) == 2
+    # Both apps use one table: its stuck keys are reported once, not summed twice.
+    stuck = [line for line in generate_latest(registry).decode().splitlines() if "stuck" in line]
+    assert len([line for line in stuck if 'state="unknown"' in line]) == 1
