@@ -34,6 +34,11 @@ def _store() -> PostgresStore:
     return store
 
 
+def maintenance() -> Maintenance:
+    """The app's operators' statements, once its database answered (see ``_store``)."""
+    return _maintenance()
+
+
 def _maintenance() -> Maintenance:
     _store()
     return get_state().maintenance

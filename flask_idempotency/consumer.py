@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -19,8 +20,9 @@ from flask import current_app
 
 from .answers import decision_signals
 from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
-from .config import RouteSettings
+from .config import RouteSettings, convert_option
 from .errors import (
+    ConfigError,
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
@@ -45,10 +47,10 @@ class StoredFailure(IdempotencyError):
     """The first delivery of this message raised, and ``ON_EXCEPTION`` is ``"store"``:
     later deliveries raise this instead of running ``fn`` again."""
 
-    def __init__(self, key: str, exception_type: str, message: str) -> None:
+    def __init__(self, key: str, exception_type: str, message: str, tenant: str = "") -> None:
         super().__init__(
-            f"the first run of {key!r} raised {exception_type}: {message}"
-            " (stored; it will not run again)"
+            f"the first run of {key!r} raised {exception_type}: {message} (stored: it"
+            f" will not run again until an operator runs {forget_command(tenant, key)})"
         )
         self.key = key
         #: the qualified name of the first exception's type
@@ -64,9 +66,12 @@ def run_once(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     tenant: str,
+    on_exception: str | None = None,
 ) -> T:
     """See :meth:`.Idempotency.run_once`."""
     settings = state.settings.route
+    if on_exception is not None:
+        settings = settings.override({"on_exception": _policy(on_exception)})
     if not isinstance(tenant, str):
         raise TypeError(f"tenant must be a str, got {tenant!r:.80}")
     if not isinstance(key, str):
@@ -75,7 +80,7 @@ def run_once(
     outcome = state.store.claim(tenant, key, _fingerprint(fn), settings)
     _announce(tenant, key, outcome)
     if not outcome.owns_key:
-        return _replayed(key, outcome)  # type: ignore[no-any-return]
+        return _replayed(tenant, key, outcome)  # type: ignore[no-any-return]
     claim = ClaimedKey(tenant, key, outcome, settings, state.store)
     return _run(settings, claim, fn, args, kwargs)
 
@@ -86,14 +91,31 @@ def _fingerprint(fn: Callable[..., Any]) -> bytes:
     return hashlib.sha256(name.encode("utf-8", "backslashreplace")).digest()
 
 
-def _replayed(key: str, outcome: ClaimOutcome) -> Any:
+def _policy(value: object) -> str:
+    """A per-call ``on_exception``, checked as ``IDEMPOTENCY_ON_EXCEPTION`` is."""
+    try:
+        return str(convert_option("on_exception", value))
+    except (ConfigError, TypeError):
+        raise ConfigError(
+            f"run_once(on_exception=...) must be 'store', 'release' or 'unknown' (as"
+            f" IDEMPOTENCY_ON_EXCEPTION), got {value!r:.80}"
+        ) from None
+
+
+def forget_command(tenant: str, key: str) -> str:
+    """The operator's command that forgets *key*, ready to paste into a shell."""
+    command = f"flask idempotency-forget {shlex.quote(key)}"
+    return f"{command} --tenant {shlex.quote(tenant)}" if tenant else command
+
+
+def _replayed(tenant: str, key: str, outcome: ClaimOutcome) -> Any:
     """The stored result, or the error a delivery that must not run gets."""
     decision = outcome.decision
     if decision is Decision.REPLAY:
         assert outcome.response is not None
         stored = json.loads(outcome.response.body)
         if outcome.response.status == FAILURE_STATUS:
-            raise StoredFailure(key, stored["exception"], stored["message"])
+            raise StoredFailure(key, stored["exception"], stored["message"], tenant)
         return stored
     if decision is Decision.MISMATCH:
         raise FingerprintMismatch(f"the key {key!r} was used by another consumer function")
@@ -119,7 +141,9 @@ def _run(
             result = fn(*args, **kwargs)
         except BaseException as exc:
             claim.exception = exc
-            _end(claim, _failure_status(settings), _failure(exc))
+            status = _failure_status(settings)
+            owned = _end(claim, status, _failure(exc))
+            _add_note(exc, _what_became_of(claim, status if owned else None))
             raise
         if claim.released:
             _end(claim, KeyStatus.RETRYABLE, None)
@@ -142,14 +166,53 @@ def _failure_status(settings: RouteSettings) -> KeyStatus:
     }[settings.on_exception]
 
 
+def _what_became_of(claim: ClaimedKey, status: KeyStatus | None) -> str:
+    """The note a failure of *fn* carries to the caller: what the key is now."""
+    key = claim.key
+    if status is KeyStatus.COMPLETED:
+        return (
+            f"flask-idempotency: this failure is stored for key {key!r}"
+            " (on_exception='store'): later deliveries raise StoredFailure without running"
+            f" fn, until an operator runs {forget_command(claim.tenant, key)}"
+        )
+    if status is KeyStatus.RETRYABLE:
+        return (
+            f"flask-idempotency: key {key!r} was released (on_exception='release'):"
+            " the next delivery runs fn again"
+        )
+    if status is KeyStatus.UNKNOWN:
+        return (
+            f"flask-idempotency: key {key!r} is now unknown (on_exception='unknown'):"
+            " later deliveries raise OutcomeUnknown until it is resolved (the reconciler,"
+            " resolve(), or flask idempotency-resolve)"
+        )
+    return (
+        f"flask-idempotency: another delivery took key {key!r} over while fn ran;"
+        " this failure was not recorded"
+    )
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which keeps but does not print it)."""
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        notes.append(note)
+        return
+    try:
+        exc.__notes__ = [note]  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that refuses new attributes
+        logger.warning("%s", note)
+
+
 def _failure(exc: BaseException) -> StoredResponse:
     kind = type(exc)
     body = {"exception": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc)[:2000]}
     return StoredResponse(FAILURE_STATUS, _JSON, json.dumps(body).encode())
 
 
-def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) -> None:
-    """One fenced UPDATE; the jobs staged outside phases commit only with a result."""
+def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) -> bool:
+    """One fenced UPDATE; the jobs staged outside phases commit only with a result.
+    False: another delivery owns the key now, nothing changed."""
     jobs = claim.jobs if response is not None and response.status == RESULT_STATUS else []
     try:
         owned = claim.store.finish(
@@ -174,6 +237,7 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
         claim.key,
         claim.attempt,
     )
+    return owned
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from werkzeug.routing import Rule
 
 from .asynchronous import register_status_view
 from .cli import COMMANDS
+from .cli_actions import COMMANDS as ACTION_COMMANDS
 from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
@@ -107,7 +108,7 @@ class Idempotency:
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
-        for command in (*COMMANDS, *WORKER_COMMANDS):
+        for command in (*COMMANDS, *ACTION_COMMANDS, *WORKER_COMMANDS):
             app.cli.add_command(command)
         register_status_view(app, settings.status_path)
 
@@ -226,7 +227,14 @@ class Idempotency:
         return resolve(app, get_state(app), tenant, key, response, retryable)
 
     def run_once(
-        self, key: str, fn: Callable[..., T], /, *args: Any, tenant: str = "", **kwargs: Any
+        self,
+        key: str,
+        fn: Callable[..., T],
+        /,
+        *args: Any,
+        tenant: str = "",
+        on_exception: str | None = None,
+        **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` once per *key* (a message id), for queue consumers.
 
@@ -235,13 +243,21 @@ class Idempotency:
         *fn*, ``current_idempotency`` is the claimed key (``attempt``, ``phase()``,
         ``stage()``, ``downstream_key()``). Needs an app context, not a request.
 
+        An exception from *fn* reaches the caller, with a note (``__notes__``) saying
+        what became of the key, which follows *on_exception* (default:
+        ``IDEMPOTENCY_ON_EXCEPTION``): ``"store"`` keeps the failure (later deliveries
+        raise :class:`StoredFailure` until ``flask idempotency-forget`` forgets it),
+        ``"release"`` lets the next delivery run *fn* again, ``"unknown"`` waits for
+        reconciliation.
+
+        :raises ConfigError: *on_exception* is not one of those three.
         :raises RequestInProgress: another delivery is running *fn* right now: leave
             the message to be redelivered.
         :raises StoredFailure: the first run raised and ``ON_EXCEPTION`` is ``"store"``.
         :raises OutcomeUnknown: the key is ``unknown``.
         :raises StoreError: the store failed; nothing ran.
         """
-        return run_once(get_state(), key, fn, args, kwargs, tenant)
+        return run_once(get_state(), key, fn, args, kwargs, tenant, on_exception)
 
 
 def _refuse_safe_methods(app: Flask) -> None:

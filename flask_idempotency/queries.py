@@ -262,6 +262,19 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
        OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
 """
 
+# An operator forgets a finished key (completed or retryable) so that it can be used
+# afresh; a key in flight (processing) or waiting for reconciliation (unknown) stays.
+# The outer SELECT reads the snapshot before the DELETE: the status the key had.
+FORGET_KEY = """
+WITH gone AS (
+    DELETE FROM {table}
+    WHERE tenant = %(tenant)s AND key = %(key)s AND status IN ('completed', 'retryable')
+    RETURNING status
+)
+SELECT (SELECT status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s),
+       EXISTS (SELECT FROM gone)
+"""
+
 COUNT_STUCK = """
 SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
        (SELECT count(*) FROM {table} WHERE status = 'unknown'),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,13 @@ from helpers import post
 from prometheus_client import CollectorRegistry, generate_latest
 from psycopg.rows import TupleRow
 
-from flask_idempotency import ConfigError, Idempotency, IdempotencyError, current_idempotency
+from flask_idempotency import (
+    ConfigError,
+    Idempotency,
+    IdempotencyError,
+    StoredFailure,
+    current_idempotency,
+)
 from flask_idempotency.metrics import PrometheusMetrics
 
 DB = psycopg.Connection[TupleRow]
@@ -252,3 +259,128 @@ def test_two_apps_in_one_process_each_have_metrics(
     # Both apps use one table: its stuck keys are reported once, not summed twice.
     stuck = [line for line in generate_latest(registry).decode().splitlines() if "stuck" in line]
     assert len([line for line in stuck if 'state="unknown"' in line]) == 1
+
+
+# -- 5. a consumer's failure can be undone -----------------------------------------------
+
+
+def extension(app: Flask) -> Idempotency:
+    return app.extensions["idempotency"].extension  # type: ignore[no-any-return]
+
+
+class Flaky:
+    """Fails on its first call only, like a broker that hiccups once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls == 1:
+            raise ConnectionError("broker hiccup")
+        return "done"
+
+
+def test_run_once_on_exception_per_call_overrides_the_config(app: Flask, key: str) -> None:
+    assert app.config["IDEMPOTENCY_ON_EXCEPTION"] == "store"
+    fn = Flaky()
+    with app.app_context():
+        with pytest.raises(ConnectionError) as raised:
+            extension(app).run_once(key, fn, on_exception="release")
+        assert any("released" in note for note in getattr(raised.value, "__notes__", []))
+        assert extension(app).run_once(key, fn, on_exception="release") == "done"
+    assert fn.calls == 2
+
+
+def test_run_once_on_exception_is_checked(app: Flask, key: str) -> None:
+    with app.app_context(), pytest.raises(ConfigError, match="on_exception"):
+        extension(app).run_once(key, Flaky(), on_exception="retry")
+
+
+@pytest.mark.parametrize(
+    ("policy", "note"),
+    [
+        ("store", "idempotency-forget"),
+        ("unknown", "idempotency-resolve"),
+    ],
+)
+def test_run_once_says_what_became_of_the_key(app: Flask, key: str, policy: str, note: str) -> None:
+    with app.app_context(), pytest.raises(ConnectionError) as raised:
+        extension(app).run_once(key, Flaky(), on_exception=policy)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any(note in line and repr(key) in line for line in notes), notes
+
+
+def test_a_stored_failure_is_forgotten_and_the_next_delivery_runs(
+    app: Flask, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fn = Flaky()
+    with app.app_context():
+        with pytest.raises(ConnectionError):
+            extension(app).run_once(key, fn, tenant="t1")
+        with pytest.raises(StoredFailure, match="idempotency-forget"):
+            extension(app).run_once(key, fn, tenant="t1")
+    runner = app.test_cli_runner()
+    wrong_tenant = runner.invoke(args=["idempotency-forget", key])
+    assert wrong_tenant.exit_code == 1 and "no key" in wrong_tenant.output
+    with caplog.at_level(logging.INFO, "flask_idempotency"):
+        forgot = runner.invoke(
+            args=[
+                "idempotency-forget",
+                key,
+                "--tenant",
+                "t1",
+                "--actor",
+                "alice",
+                "--reason",
+                "hiccup",
+            ]
+        )
+    assert forgot.exit_code == 0, forgot.output
+    assert "forgotten" in forgot.output
+    assert "actor='alice'" in caplog.text and "reason='hiccup'" in caplog.text
+    with app.app_context():
+        assert extension(app).run_once(key, fn, tenant="t1") == "done"
+    assert fn.calls == 2
+
+
+@pytest.mark.parametrize("policy", ["unknown", "processing"])
+def test_a_key_in_flight_or_unknown_cannot_be_forgotten(
+    app: Flask, key: str, db: DB, policy: str
+) -> None:
+    with app.app_context(), pytest.raises(ConnectionError):
+        extension(app).run_once(key, Flaky(), on_exception="unknown")
+    if policy == "processing":
+        db.execute("UPDATE idempotency_keys SET status = 'processing' WHERE key = %s", (key,))
+    result = app.test_cli_runner().invoke(args=["idempotency-forget", key])
+    assert result.exit_code == 1
+    assert f"is {policy}" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    row = db.execute("SELECT status FROM idempotency_keys WHERE key = %s", (key,)).fetchone()
+    assert row == (policy,)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["k\x00ey"],
+        ["k" * 100_000],
+        ["key", "--actor", ""],
+        ["key", "--actor", "<script>\x00"],
+        ["key", "--actor", "a" * 300],
+        ["key", "--reason", "r" * 100_000],
+        ["key", "--reason", "bad\x00reason"],
+        ["key", "--reason", "lone \ud800 surrogate"],
+        ["key", "--tenant", "t\x00"],
+    ],
+)
+def test_forget_refuses_hostile_arguments_in_one_line(app: Flask, args: list[str]) -> None:
+    result = app.test_cli_runner().invoke(args=["idempotency-forget", *args])
+    assert result.exit_code == 2, result.output
+    assert (
+        "Traceback" not in result.output
+        and result.exception is None
+        or isinstance(result.exception, SystemExit)
+    )
+    assert "Error:" in result.output and "No such command" not in result.output
+    assert len(result.output.strip().splitlines()) <= 4  # click's usage lines, then one error

@@ -1,0 +1,114 @@
+"""The operators' hand-made changes: ``flask idempotency-forget`` (SPEC §11).
+
+Each takes ``--actor`` (default: the operating-system user) and ``--reason`` and logs
+them with the change; the audit table that will record them is not built yet.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import re
+from collections.abc import Callable
+
+import click
+from flask.cli import with_appcontext
+
+from .cli import maintenance
+from .errors import IdempotencyError, InvalidKey, StoreError
+from .keys import check_tenant, parse_key, tenant_tag
+
+logger = logging.getLogger("flask_idempotency")
+
+#: what an operator's name and reason may hold: printable text, no control characters
+#: or lone surrogates (they are logged, and will be stored in the audit trail)
+_NOT_IN_TEXT = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+MAX_ACTOR_LENGTH, MAX_REASON_LENGTH = 255, 2000
+
+
+def _key_argument(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return parse_key([value], "KEY")
+    except InvalidKey as exc:
+        raise click.BadParameter(exc.description or str(exc)) from None
+
+
+def _tenant_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_tenant(value)
+    except IdempotencyError as exc:
+        raise click.BadParameter(getattr(exc, "description", None) or str(exc)) from None
+
+
+def _text_option(limit: int) -> Callable[[click.Context, click.Parameter, str | None], str]:
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+        if value is None:  # --actor's default: who runs the command
+            value = _os_user()
+        if param.name == "actor" and not value:
+            raise click.BadParameter("must not be empty")
+        if len(value) > limit or _NOT_IN_TEXT.search(value):
+            raise click.BadParameter(
+                f"must be at most {limit} characters, without control characters or"
+                " unpaired surrogates"
+            )
+        return value
+
+    return check
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container), no USER variable
+        return "unknown"
+
+
+@click.command(
+    "idempotency-forget",
+    help="Forget a 'completed' or 'retryable' key so that it can be used afresh (a stored"
+    " failure of run_once, say: the next delivery runs again). A 'processing' or 'unknown'"
+    " key cannot be forgotten.",
+)
+@click.argument("key", callback=_key_argument)
+@click.option(
+    "--tenant", default="", callback=_tenant_option, help="The key's tenant (default: '')."
+)
+@click.option(
+    "--actor",
+    callback=_text_option(MAX_ACTOR_LENGTH),
+    help="Who forgets it, for the log (default: the operating-system user).",
+)
+@click.option(
+    "--reason", default="", callback=_text_option(MAX_REASON_LENGTH), help="Why, for the log."
+)
+@with_appcontext
+def forget_command(key: str, tenant: str, actor: str, reason: str) -> None:
+    operators = maintenance()
+    try:
+        before, forgotten = operators.forget(tenant, key)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if before is None:
+        raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
+    if not forgotten:
+        raise click.ClickException(
+            f"key {key!r} is {before}: only a completed or retryable key can be forgotten"
+            + (
+                " (resolve it first: flask idempotency-resolve)"
+                if before == "unknown"
+                else " (in flight: wait for it to end)"
+            )
+        )
+    logger.warning(
+        "action=forget tenant=%s key=%r status_before=%s actor=%r reason=%r",
+        tenant_tag(tenant),
+        key,
+        before,
+        actor,
+        reason,
+    )
+    click.echo(f"key {key!r} forgotten (it was {before}); it can be used afresh")
+
+
+#: the hand-made changes ``init_app`` registers on ``app.cli``
+COMMANDS = (forget_command,)
