@@ -10,16 +10,21 @@ import importlib
 import json
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 
 import pytest
+import readme_phased
 from flask import Flask, g
 from gunicorn_server import ROOT, GunicornServer
-from helpers import DB, start_example
+from helpers import DB, start_example, wait_until
+from psycopg_pool import ConnectionPool
 from werkzeug.exceptions import Unauthorized
 from werkzeug.test import TestResponse
 
@@ -230,3 +235,53 @@ def test_readme_curl_demo_answers_as_shown(
         " AND tenant IN ('demo-shop', 'another-shop') GROUP BY tenant ORDER BY tenant"
     ).fetchall()
     assert payments == [("another-shop", 1), ("demo-shop", 1)]  # one payment per account
+
+
+# -- the phased view ---------------------------------------------------------------------------
+
+
+def test_readme_phased_view_resumes_after_its_last_phase(database_url: str, db: DB) -> None:
+    """The README's ``ship_order``, killed with SIGKILL right after its last phase: the
+    attempt that takes over answers the complete shipment, read from the database."""
+    db.execute(readme_phased.SCHEMA)
+    tenant, key = f"readme-{uuid.uuid4()}", "ship-1"
+    child = subprocess.run(
+        [sys.executable, str(Path(readme_phased.__file__)), database_url, tenant, key],
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert child.returncode == -signal.SIGKILL
+    where = "WHERE tenant = %s AND key = %s"
+    at_crash = db.execute(
+        f"SELECT status, recovery_point FROM idempotency_keys {where}", (tenant, key)
+    ).fetchone()
+    assert at_crash == ("processing", "label_recorded")
+
+    with ConnectionPool(database_url, min_size=1, max_size=2) as pool:
+        app = readme_phased.create_app(database_url, pool)
+        try:
+            # a client retrying: 409 while the dead attempt's lease lasts, then a takeover
+            response = wait_until(
+                lambda: (r := readme_phased.ship(app, tenant, key)).status_code != 409 and r,
+                timeout=readme_phased.LEASE + 15,
+            )
+            replay = readme_phased.ship(app, tenant, key)
+        finally:
+            app.extensions["idempotency"].store.close()
+    label = db.execute(
+        "SELECT label FROM shipments WHERE tenant = %s AND idempotency_key = %s", (tenant, key)
+    ).fetchone()
+    assert label is not None and label[0]
+    assert response.status_code == 201, response.data
+    assert response.get_json() == {
+        "order": readme_phased.ORDER,
+        "shipment": {"label": label[0], "status": "labelled"},
+    }
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == response.data
+    calls = db.execute(
+        "SELECT sum(calls) FROM carrier_labels WHERE label = %s", (label[0],)
+    ).fetchone()
+    assert calls == (1,)  # the takeover resumed after the last phase: no second label
+    attempt = db.execute(f"SELECT attempt FROM idempotency_keys {where}", (tenant, key)).fetchone()
+    assert attempt == (2,)
