@@ -91,7 +91,7 @@ def create_app(database_url: str, db: Any, *, crash: bool = False) -> Flask:
         "carrier": Carrier(database_url),
         "db": db,
     }
-    exec(compile(readme_block(), f"{README} (ship_order)", "exec"), namespace)  # noqa: S102
+    exec(compile(readme_block(), f"{README} (ship_order)", "exec"), namespace)
     return app
 
 
