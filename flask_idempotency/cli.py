@@ -15,18 +15,26 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from . import signals
-from .errors import StoreError
+from .errors import ConfigError, StoreError
 from .maintenance import Maintenance
 from .model import KeyStatus, StoredResponse
 from .pool import probe
 from .postgres import PostgresStore
-from .state import get_state
+from .state import IdempotencyState, get_state
+
+
+def cli_state() -> IdempotencyState:
+    """The app's extension state; a config error is one line and exit 1."""
+    try:
+        return get_state()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _store() -> PostgresStore:
     """The app's store, once its database answered a connection: else one line with
     the cause (refused, no such database, authentication failed) and exit 1."""
-    store = get_state().store
+    store = cli_state().store
     try:
         probe(store.settings)
     except StoreError as exc:

@@ -17,12 +17,12 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
+from .cli import cli_state
 from .completer import Completer, summary
 from .dispatch import Dispatcher
 from .errors import StoreError
 from .loop import run_every
 from .reconciler import Reconciliation
-from .state import get_state
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -59,7 +59,7 @@ _LOOP = click.option(
 def complete_command(
     older_than: float | None, limit: int, dry_run: bool, interval: float | None
 ) -> None:
-    state = get_state()
+    state = cli_state()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     age = timedelta(seconds=state.settings.complete_after if older_than is None else older_than)
     completer = Completer(app, state.store, state.settings.route.lease)
@@ -106,11 +106,13 @@ def complete_command(
 @_LOOP
 @with_appcontext
 def reconcile_command(limit: int, interval: float | None) -> None:
-    state = get_state()
+    state = cli_state()
     fn = state.extension.reconcile_key
     if fn is None:
         raise click.ClickException(
-            "no reconciler is registered: decorate a function with @idempotency.reconciler"
+            "no reconciler is registered on this app, so there is nothing to run: register"
+            " one with @idempotency.reconciler, or do not schedule idempotency-reconcile"
+            " (settle unknown keys with webhooks or flask idempotency-resolve)"
         )
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     reconciliation = Reconciliation(app, state, fn)
@@ -155,7 +157,7 @@ OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced"
 @_LOOP
 @with_appcontext
 def dispatch_command(limit: int, interval: float | None) -> None:
-    state = get_state()
+    state = cli_state()
     fn = state.extension.dispatch_job
     if fn is None:
         raise click.ClickException(

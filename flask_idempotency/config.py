@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -65,6 +66,10 @@ def _str(value: Any, key: str) -> str:
     return value
 
 
+#: a URL's scheme (``mysql://`` ...): libpq knows ``postgresql://`` and ``postgres://``
+_URL_SCHEME = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def _conninfo(value: Any, key: str) -> str | None:
     """A libpq URL or conninfo string, parsed now (no connection is made) so that a
     typo fails at start-up rather than as a 503 on every request."""
@@ -74,6 +79,15 @@ def _conninfo(value: Any, key: str) -> str | None:
         return None
     if "\x00" in value:  # libpq reads a C string: it would stop there, silently
         raise ConfigError(f"{key} holds a NUL character.")
+    scheme = _URL_SCHEME.match(value)
+    if scheme and scheme.group(1).lower() not in ("postgresql", "postgres"):
+        # the scheme only: the rest of the URL may hold a password
+        raise ConfigError(
+            f"{key} uses the scheme {scheme.group(1)!r}: flask-idempotency keeps its keys in"
+            " PostgreSQL only, through libpq. Write a 'postgresql://user@host/db' URL"
+            " (SQLAlchemy's 'postgresql+psycopg://' becomes 'postgresql://') or a conninfo"
+            " string ('host=... dbname=...')."
+        )
     try:
         params = conninfo_to_dict(value)
     except ProgrammingError as exc:
@@ -353,8 +367,10 @@ def _check_together(settings: Settings, pool_given: bool) -> None:
     """The checks that involve more than one setting."""
     if not settings.database_url and not pool_given:
         raise ConfigError(
-            f"Set {config_key('database_url')} (e.g. 'postgresql://user@host/db') or pass a "
-            "psycopg_pool.ConnectionPool to init_app(app, pool=...)."
+            f"{config_key('database_url')} is not set when init_app(app) runs, and the"
+            " extension reads its config there, once: set it (e.g."
+            " 'postgresql://user@host/db') before Idempotency(app) / init_app(app), or pass"
+            " a psycopg_pool.ConnectionPool as init_app(app, pool=...)."
         )
     if settings.pool_max_size < settings.pool_min_size:
         raise ConfigError(

@@ -103,7 +103,10 @@ class Idempotency:
         check_before_first_request(app)
         self._apps.add(app)
         app.extensions[EXTENSION_NAME] = IdempotencyState(
-            self, settings, PostgresStore(settings, pool)
+            self,
+            settings,
+            PostgresStore(settings, pool),
+            database_url_read=app.config.get("IDEMPOTENCY_DATABASE_URL"),
         )
         app.after_request(after_request)
         app.teardown_request(teardown_request)

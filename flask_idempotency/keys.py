@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import xxhash
 from http_sfv.item import Item
 
-from .errors import InvalidKey, InvalidTenant
+from .errors import ConfigError, InvalidKey, InvalidTenant
 
 MAX_KEY_LENGTH = 255
 _VISIBLE_ASCII = re.compile(r"[!-~]+")
@@ -79,14 +79,19 @@ def check_tenant(tenant: str) -> str:
 def load_tenant(loader: Callable[[], str] | None) -> str:
     """The tenant the app's *loader* names for the current request (``""`` without one).
 
-    :raises TypeError: the loader returned something else than a str (an app bug).
+    :raises ConfigError: the loader returned something else than a str (an app bug).
     :raises InvalidTenant: see :func:`check_tenant`.
     """
     if loader is None:
         return ""
     tenant = loader()
     if not isinstance(tenant, str):
-        raise TypeError(f"the tenant loader must return a str, got {tenant!r}")
+        name = getattr(loader, "__qualname__", repr(loader))
+        raise ConfigError(
+            f"the tenant loader {name} returned {tenant!r:.80} ({type(tenant).__name__}):"
+            " it must return a str, the tenant's id as text (str(account.id)), or '' for"
+            " requests without a tenant (or abort(401) to refuse them)."
+        )
     return check_tenant(tenant)
 
 

@@ -14,6 +14,7 @@ from flask import Flask, current_app
 
 from .cache import ReplayCache
 from .config import RouteSettings, Settings
+from .errors import ConfigError
 from .maintenance import Maintenance
 from .postgres import PostgresStore
 from .waiting import CompletionWaiter
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from .extension import Idempotency
 
 EXTENSION_NAME = "idempotency"
+DATABASE_URL = "IDEMPOTENCY_DATABASE_URL"
 
 
 @dataclasses.dataclass
@@ -33,6 +35,8 @@ class IdempotencyState:
     store: PostgresStore
     #: the "no tenant loader" warning was logged (once per app and process)
     warned_shared_keys: bool = False
+    #: ``IDEMPOTENCY_DATABASE_URL`` as ``init_app`` read it (see :func:`get_state`)
+    database_url_read: Any = None
     _waiter: CompletionWaiter | None = None
     _waiter_pid: int = 0
     #: each route's settings, merged once: keyed by the id of the route's own
@@ -74,12 +78,21 @@ def get_state(app: Flask | None = None) -> IdempotencyState:
     """The extension's state of *app* (default: the current app).
 
     :raises RuntimeError: the extension is not initialised on the app.
+    :raises ConfigError: ``IDEMPOTENCY_DATABASE_URL`` changed after ``init_app``.
     """
     app = app if app is not None else current_app
     try:
-        return app.extensions[EXTENSION_NAME]  # type: ignore[no-any-return]
+        state: IdempotencyState = app.extensions[EXTENSION_NAME]
     except KeyError:
         raise RuntimeError(
             "flask-idempotency is not initialised on this app; call"
             " idempotency.init_app(app) in your app factory."
         ) from None
+    if app.config.get(DATABASE_URL) != state.database_url_read:
+        # the store would go on using the old value, silently
+        raise ConfigError(
+            f"{DATABASE_URL} changed after init_app(app): the extension read it there, once,"
+            " and would go on using the old value. Set it before Idempotency(app) /"
+            " init_app(app) (in an app factory: load the config first)."
+        )
+    return state

@@ -384,3 +384,79 @@ def test_forget_refuses_hostile_arguments_in_one_line(app: Flask, args: list[str
     )
     assert "Error:" in result.output and "No such command" not in result.output
     assert len(result.output.strip().splitlines()) <= 4  # click's usage lines, then one error
+
+
+# -- also: messages as clear as the config typos' -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme"),
+    [
+        ("mysql://root:secret@db/shop", "'mysql'"),
+        ("sqlite:///shop.db", "'sqlite'"),
+        ("postgresql+psycopg://u:secret@db/shop", "'postgresql+psycopg'"),
+    ],
+)
+def test_a_database_url_that_is_not_postgresql_says_so(url: str, scheme: str) -> None:
+    app = new_app(url)
+    with pytest.raises(ConfigError) as raised:
+        Idempotency(app)
+    message = str(raised.value)
+    assert scheme in message and "PostgreSQL" in message and "postgresql://" in message
+    assert "secret" not in message  # the URL may hold a password
+
+
+def test_a_database_url_set_after_init_app_says_the_config_is_read_there() -> None:
+    app = Flask(__name__)
+    idempotency = Idempotency()
+    with pytest.raises(ConfigError, match=r"not set when init_app\(app\) runs.*before"):
+        idempotency.init_app(app)
+
+
+def test_a_database_url_changed_after_init_app_is_refused(database_url: str) -> None:
+    app = new_app(database_url)
+    idempotency = Idempotency(app)
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> str:
+        return "paid"
+
+    app.config["IDEMPOTENCY_DATABASE_URL"] = database_url + "?application_name=late"
+    app.testing = True
+    with pytest.raises(ConfigError, match=r"changed after init_app\(app\)"):
+        app.test_client().post("/pay", headers={"Idempotency-Key": "k"})
+    result = app.test_cli_runner().invoke(args=["idempotency-list"])
+    assert result.exit_code == 1 and "changed after init_app(app)" in result.output
+
+
+@pytest.mark.parametrize("returned", [42, None, b"acme"])
+def test_a_tenant_loader_returning_no_str_says_how_to_fix(
+    database_url: str, returned: object
+) -> None:
+    app = new_app(database_url)
+    idempotency = Idempotency(app)
+
+    @idempotency.tenant_loader
+    def account_id() -> Any:
+        return returned
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> str:
+        return "paid"
+
+    app.testing = True
+    with pytest.raises(ConfigError) as raised:
+        app.test_client().post("/pay", headers={"Idempotency-Key": "k"})
+    message = str(raised.value)
+    assert "account_id" in message and repr(returned) in message and "str(" in message
+    app.extensions["idempotency"].store.close()
+
+
+def test_reconcile_without_a_reconciler_says_what_to_do(app: Flask) -> None:
+    result = app.test_cli_runner().invoke(args=["idempotency-reconcile"])
+    assert result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1
+    assert "@idempotency.reconciler" in result.output
+    assert "do not schedule idempotency-reconcile" in result.output
