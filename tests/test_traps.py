@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import socket
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Blueprint, Flask, request
+from gunicorn_server import GunicornServer, db_sockets
 from helpers import post
 from prometheus_client import CollectorRegistry, generate_latest
 from psycopg.rows import TupleRow
@@ -259,6 +261,27 @@ def test_two_apps_in_one_process_each_have_metrics(
     # Both apps use one table: its stuck keys are reported once, not summed twice.
     stuck = [line for line in generate_latest(registry).decode().splitlines() if "stuck" in line]
     assert len([line for line in stuck if 'state="unknown"' in line]) == 1
+
+
+def test_a_preloaded_gunicorn_master_holds_no_connection(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    server = start_gunicorn(
+        "metrics_app:create_app()",
+        env={"METRICS_APP_DATABASE_URL": database_url},
+        workers=2,
+        preload=True,
+        ready_path="/health",
+    )
+    assert db_sockets(server.pid, db.info.port) == 0
+    scrape = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        scrape.request("GET", "/metrics")
+        body = scrape.getresponse().read().decode()
+    finally:
+        scrape.close()
+    assert 'idempotency_stuck_keys{state="unknown"}' in body  # a worker reads it when scraped
+    assert db_sockets(server.pid, db.info.port) == 0
 
 
 # -- 5. a consumer's failure can be undone -----------------------------------------------
