@@ -15,7 +15,8 @@ from flask import Blueprint, Flask, request
 from gunicorn_server import GunicornServer, db_sockets
 from helpers import post
 from prometheus_client import CollectorRegistry, generate_latest
-from psycopg.rows import TupleRow
+from psycopg import sql
+from psycopg.rows import TupleRow, dict_row
 
 from flask_idempotency import (
     ConfigError,
@@ -141,6 +142,13 @@ def owned_app(database_url: str, db: DB) -> Iterator[Flask]:
         conn.execute("INSERT INTO trap_rows VALUES (%s)", (current_idempotency.key,))
         what = request.headers.get("X-Do", "")
         if what == "savepoint":
+            # what views do with a psycopg connection keeps working on it
+            query = sql.SQL("SELECT count(*) AS n FROM {} WHERE key = %s").format(
+                sql.Identifier("trap_rows")
+            )
+            assert "trap_rows" in query.as_string(conn)
+            row = conn.cursor(row_factory=dict_row).execute(query, (current_idempotency.key,))
+            assert row.fetchone() == {"n": 1}  # its own uncommitted write
             with conn.transaction():
                 conn.execute("INSERT INTO trap_rows VALUES (%s)", (current_idempotency.key,))
             with pytest.raises(ZeroDivisionError), conn.transaction():
