@@ -323,9 +323,12 @@ def test_run_once_on_exception_per_call_overrides_the_config(app: Flask, key: st
     assert fn.calls == 2
 
 
-def test_run_once_on_exception_is_checked(app: Flask, key: str) -> None:
-    with app.app_context(), pytest.raises(ConfigError, match="on_exception"):
-        extension(app).run_once(key, Flaky(), on_exception="retry")
+@pytest.mark.parametrize("policy", ["retry", "x" * 100_000, float("nan"), "\x00", 1])
+def test_run_once_on_exception_is_checked(app: Flask, key: str, policy: Any) -> None:
+    fn = Flaky()
+    with app.app_context(), pytest.raises(ConfigError, match="on_exception") as raised:
+        extension(app).run_once(key, fn, on_exception=policy)
+    assert len(str(raised.value)) < 300 and fn.calls == 0
 
 
 @pytest.mark.parametrize(
