@@ -8,6 +8,7 @@ from .consumer import StoredFailure
 from .errors import (
     AttemptSuperseded,
     ConfigError,
+    FingerprintFailed,
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
@@ -33,6 +34,7 @@ __all__ = [
     "AttemptSuperseded",
     "ClaimedKey",
     "ConfigError",
+    "FingerprintFailed",
     "FingerprintMismatch",
     "Idempotency",
     "IdempotencyError",

@@ -21,6 +21,7 @@ from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
+from .fingerprint import Exclusions, parse_exclusions
 
 PREFIX = "IDEMPOTENCY_"
 
@@ -175,6 +176,25 @@ def _header_names(value: Any, key: str) -> frozenset[str]:
     return frozenset(n.lower() for n in names)
 
 
+def _exclusions(value: Any, key: str) -> Exclusions:
+    # Not split on commas like the other lists: a JSON pointer may hold one.
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"{key} must be a list of JSON pointers ('/metadata/request_id') and form field"
+            f" names (in the environment: a JSON list), got {value!r}."
+        )
+    try:
+        return parse_exclusions(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}.") from None
+
+
+def _callable(value: Any, key: str) -> Any:
+    if value is not None and not callable(value):
+        raise ConfigError(f"{key} must be a function fn(request) -> bytes | str, got {value!r}.")
+    return value
+
+
 def _in_progress_status(value: Any, key: str) -> int:
     status = _int_at_least(0)(value, key)
     if status not in (202, 409):
@@ -229,6 +249,12 @@ class RouteSettings:
     #: the default: name Content-Type yourself)
     stored_request_headers: frozenset[str] = option(("Content-Type",), _header_names)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
+    #: JSON pointers (``/metadata/request_id``) and form field names left out of the
+    #: fingerprint; a route's list replaces the app's
+    fingerprint_exclude: Exclusions = option((), _exclusions)
+    #: ``fn(request) -> bytes | str``: replaces the body part of the fingerprint (the
+    #: method and the path with its query still count)
+    fingerprint: Callable[[Any], bytes | str] | None = option(None, _callable)
 
     def __post_init__(self) -> None:
         if self.asynchronous and not self.complete:  # it runs from the stored request

@@ -191,6 +191,16 @@ class StoreRefused(ProblemError, InternalServerError):
     stripe_type = "api_error"
 
 
+class FingerprintFailed(ProblemError, InternalServerError):
+    """The route's ``fingerprint=`` function raised, or returned something other than
+    bytes or text; nothing was claimed and the view did not run."""
+
+    slug = "fingerprint-failed"
+    title = "The request fingerprint could not be computed"
+    should_retry = False
+    stripe_type = "api_error"
+
+
 class RequestTooLarge(ProblemError, RequestEntityTooLarge):
     """The request body is larger than ``IDEMPOTENCY_MAX_REQUEST_BYTES``."""
 
