@@ -61,6 +61,12 @@ def parse_exclusions(entries: Iterable[Any]) -> Exclusions:
         not followed by ``0`` or ``1``, or a form field name that cannot be written in
         UTF-8.
     """
+    # Not split on commas like the other lists: a JSON pointer may hold one.
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
+        raise ValueError(
+            "must be a list of JSON pointers ('/metadata/request_id') and form field names"
+            f" (in the environment: a JSON list), got {entries!r}"
+        )
     pointers: list[tuple[str, ...]] = []
     fields: set[str] = set()
     for entry in entries:
@@ -82,6 +88,13 @@ def parse_exclusions(entries: Iterable[Any]) -> Exclusions:
         else:
             fields.add(_form_name(entry))
     return Exclusions(tuple(pointers), frozenset(fields), tuple(entries))
+
+
+def fingerprint_function(value: Any) -> Any:
+    """Check ``fingerprint=``: None, or a function ``fn(request) -> bytes | str``."""
+    if value is not None and not callable(value):
+        raise ValueError(f"must be a function fn(request) -> bytes | str, got {value!r}")
+    return value
 
 
 def _form_name(entry: str) -> str:

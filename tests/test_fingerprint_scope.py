@@ -231,7 +231,7 @@ def test_a_bad_route_option_fails_at_decoration(database_url: str) -> None:
     idempotency = Idempotency()
     with pytest.raises(ConfigError, match="would name a form field"):
         idempotency.idempotent(fingerprint_exclude=["metadata/request_id"])
-    with pytest.raises(ConfigError, match="IDEMPOTENCY_FINGERPRINT must be a function"):
+    with pytest.raises(ConfigError, match="IDEMPOTENCY_FINGERPRINT: must be a function"):
         idempotency.idempotent(fingerprint="not callable")
 
 
