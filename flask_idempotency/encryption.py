@@ -28,12 +28,16 @@ class Encryptor(Protocol):
 
 def check_encryptor(value: Any) -> Any:
     """Check ``IDEMPOTENCY_ENCRYPTOR``: None, or an object with ``encrypt`` and ``decrypt``."""
-    if value is not None and not all(
+    if value is None:
+        return None
+    # A class has the methods too, unbound: the first request would fail, not start-up.
+    if isinstance(value, type) or not all(
         callable(getattr(value, method, None)) for method in ("encrypt", "decrypt")
     ):
+        got = f"the class {value.__name__}" if isinstance(value, type) else type(value).__name__
         raise ValueError(
             "must be an object with encrypt(bytes) -> bytes and decrypt(bytes) -> bytes (such"
-            f" as flask_idempotency.encryption.Fernet([key, ...])), got {type(value).__name__}"
+            f" as flask_idempotency.encryption.Fernet([key, ...])), got {got}"
         )
     return value
 
