@@ -8,6 +8,7 @@ from .consumer import StoredFailure
 from .errors import (
     AttemptSuperseded,
     ConfigError,
+    EncryptionError,
     FingerprintFailed,
     FingerprintMismatch,
     IdempotencyError,
@@ -34,6 +35,7 @@ __all__ = [
     "AttemptSuperseded",
     "ClaimedKey",
     "ConfigError",
+    "EncryptionError",
     "FingerprintFailed",
     "FingerprintMismatch",
     "Idempotency",
