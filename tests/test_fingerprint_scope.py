@@ -364,3 +364,16 @@ def test_a_fingerprint_function_that_raises(
     assert db.execute(
         "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
     ).fetchone() == (0,)
+
+
+def test_hostile_values_in_and_beside_excluded_members() -> None:
+    """NaN, infinities and 100 kB strings: an excluded one is left out like any value; one
+    that stays keeps the body byte for byte, as before."""
+    exclude = parse_exclusions(["/a", "/b/0"])
+    big = "x" * 100_000
+    assert canonical_body(J, b'{"a": NaN, "c": 1}', exclude) == b'json:{"c":1}'
+    assert canonical_body(J, b'{"b": [1e400, 2]}', exclude) == b'json:{"b":[null,2]}'
+    assert canonical_body(J, f'{{"a": "{big}", "c": 1}}'.encode(), exclude) == b'json:{"c":1}'
+    nan_kept = b'{"a": 1, "c": NaN}'
+    assert canonical_body(J, nan_kept, exclude) == b"raw:" + nan_kept
+    assert canonical_body(J, b"[1, 2]", exclude) == b"json:[1,2]"  # no object: nothing to drop
