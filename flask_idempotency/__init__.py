@@ -8,6 +8,8 @@ from .consumer import StoredFailure
 from .errors import (
     AttemptSuperseded,
     ConfigError,
+    EncryptionError,
+    FingerprintFailed,
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
@@ -33,6 +35,8 @@ __all__ = [
     "AttemptSuperseded",
     "ClaimedKey",
     "ConfigError",
+    "EncryptionError",
+    "FingerprintFailed",
     "FingerprintMismatch",
     "Idempotency",
     "IdempotencyError",

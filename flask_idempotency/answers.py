@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from datetime import datetime
 from typing import Any
 
 from blinker import NamedSignal
 from flask import Response, current_app
+from werkzeug.http import http_date
 
 from . import signals
 from .config import RouteSettings
@@ -21,6 +23,9 @@ from .keys import tenant_tag
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
 logger = logging.getLogger("flask_idempotency")
+
+#: the key's ``expires_at`` as an HTTP-date, with ``IDEMPOTENCY_EXPIRES_HEADER``
+EXPIRES_HEADER = "Idempotency-Key-Expires"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,7 @@ def answer(
             return accepted(settings, detail)
         raise settings.problem(row.problem, detail, retry_after=row.retry_after)
     if outcome.response is not None:
-        return replay(outcome.response, settings)
+        return replay(outcome.response, settings, outcome.expires_at)
     return None
 
 
@@ -126,12 +131,17 @@ def decision_signals(
     return [conflict]
 
 
-def replay(stored: StoredResponse, settings: RouteSettings) -> Response:
-    """The stored response as the client gets it again, marked as a replay."""
+def replay(
+    stored: StoredResponse, settings: RouteSettings, expires_at: datetime | None = None
+) -> Response:
+    """The stored response as the client gets it again, marked as a replay (and with
+    the key's expiry, if the route tells it)."""
     response: Response = current_app.response_class(
         stored.body, status=stored.status, headers=stored.headers
     )
     response.headers[settings.replay_header] = "true"
+    if settings.expires_header and expires_at is not None:
+        response.headers[EXPIRES_HEADER] = http_date(expires_at)
     return response
 
 

@@ -129,7 +129,7 @@ def key_status(key: str) -> Response:
             [(n, v) for n, v in row["response_headers"] or []],
             bytes(row["response_body"] or b""),
         )
-        return replay(stored, settings)
+        return replay(stored, settings, row["expires_at"])
     if status is KeyStatus.UNKNOWN:
         raise settings.problem(
             OutcomeUnknown, "The outcome of this key's work is unknown; it will not run again."

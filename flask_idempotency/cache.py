@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from .model import ClaimOutcome, Decision, StoredResponse
 
@@ -26,6 +26,8 @@ class CachedReplay:
     response: StoredResponse
     attempt: int
     expires: float  #: time.monotonic() deadline
+    #: the key's ``expires_at``, by the database's clock
+    expires_at: datetime | None = None
 
 
 class ReplayCache:
@@ -55,20 +57,35 @@ class ReplayCache:
             return None
         if hit.fingerprint != fingerprint:
             return ClaimOutcome(Decision.MISMATCH, attempt=hit.attempt)
-        return ClaimOutcome(Decision.REPLAY, attempt=hit.attempt, response=hit.response)
+        return ClaimOutcome(
+            Decision.REPLAY, attempt=hit.attempt, response=hit.response, expires_at=hit.expires_at
+        )
 
     def remember(self, tenant: str, key: str, fingerprint: bytes, outcome: ClaimOutcome) -> None:
         """Cache a replay the claim has just read from the store."""
         if outcome.response is not None:
             self.put(
-                tenant, key, fingerprint, outcome.response, outcome.attempt, outcome.expires_in
+                tenant,
+                key,
+                fingerprint,
+                outcome.response,
+                outcome.attempt,
+                outcome.expires_in,
+                outcome.expires_at,
             )
 
     def remember_stored(
-        self, tenant: str, key: str, outcome: ClaimOutcome, response: StoredResponse, ttl: timedelta
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        response: StoredResponse,
+        ttl: timedelta,
+        expires_at: datetime | None = None,
     ) -> None:
         """Cache a response that has just been committed as completed by *outcome*."""
-        self.put(tenant, key, outcome.fingerprint, response, outcome.attempt, ttl.total_seconds())
+        seconds = ttl.total_seconds()
+        self.put(tenant, key, outcome.fingerprint, response, outcome.attempt, seconds, expires_at)
 
     def put(
         self,
@@ -78,11 +95,13 @@ class ReplayCache:
         response: StoredResponse,
         attempt: int,
         expires_in: float,
+        expires_at: datetime | None = None,
     ) -> None:
         """Remember a completed response for *expires_in* seconds."""
         if expires_in <= 0:
             return
-        entry = CachedReplay(fingerprint, response, attempt, time.monotonic() + expires_in)
+        deadline = time.monotonic() + expires_in
+        entry = CachedReplay(fingerprint, response, attempt, deadline, expires_at)
         with self._lock:
             self._entries[(tenant, key)] = entry
             self._entries.move_to_end((tenant, key))

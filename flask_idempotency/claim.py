@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
@@ -59,6 +60,8 @@ class ClaimedKey:
         self.jobs: list[StagedJob] = []
         #: jobs staged in the running phase: they commit with it
         self._phase_jobs: list[StagedJob] | None = None
+        #: the key's ``expires_at`` once its attempt ended (None: not written)
+        self.expires_at: datetime | None = None
 
     @property
     def attempt(self) -> int:

@@ -100,7 +100,7 @@ class Completer:
     def _run_row(self, row: tuple[Any, ...]) -> KeyReport:
         tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row
         try:
-            stored = StoredRequest.decode(document, body)
+            stored = self.store.at_rest.open_request(tenant, key, document, body)
         except ValueError as exc:
             stored = StoredRequest("?", "?")
             error: str | None = str(exc)

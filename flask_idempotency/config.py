@@ -21,7 +21,9 @@ from typing import Any, Literal, TypeVar
 from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
 
+from .encryption import check_encryptor
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
+from .fingerprint import Exclusions, fingerprint_function, parse_exclusions
 
 PREFIX = "IDEMPOTENCY_"
 
@@ -189,6 +191,18 @@ def _header_names(value: Any, key: str) -> frozenset[str]:
     return frozenset(n.lower() for n in names)
 
 
+def _parsed(parse: Callable[[Any], Any]) -> Converter:
+    """A converter from a parser that raises ValueError with the reason."""
+
+    def convert(value: Any, key: str) -> Any:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}.") from None
+
+    return convert
+
+
 def _in_progress_status(value: Any, key: str) -> int:
     status = _int_at_least(0)(value, key)
     if status not in (202, 409):
@@ -243,6 +257,15 @@ class RouteSettings:
     #: the default: name Content-Type yourself)
     stored_request_headers: frozenset[str] = option(("Content-Type",), _header_names)
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
+    #: JSON pointers (``/metadata/request_id``) and form field names left out of the
+    #: fingerprint; a route's list replaces the app's
+    fingerprint_exclude: Exclusions = option((), _parsed(parse_exclusions))
+    #: ``fn(request) -> bytes | str``: replaces the body part of the fingerprint (the
+    #: method and the path with its query still count)
+    fingerprint: Callable[[Any], bytes | str] | None = option(None, _parsed(fingerprint_function))
+    #: send ``Idempotency-Key-Expires`` (the key's ``expires_at``) with the first
+    #: answer that is stored and with every replay
+    expires_header: bool = option(False, _bool)
 
     def __post_init__(self) -> None:
         if self.asynchronous and not self.complete:  # it runs from the stored request
@@ -303,6 +326,8 @@ class Settings:
     status_path: str = option("/idempotency/keys", _url_path)
     #: ``flask idempotency-complete`` takes keys untouched for this long (``--older-than``)
     complete_after: float = option(300, _seconds)
+    #: encrypts stored bodies and headers at rest (see :mod:`.sealing`); None: plain
+    encryptor: Any = option(None, _parsed(check_encryptor))
     #: the app-wide defaults of the per-route settings
     route: RouteSettings = dataclasses.field(default_factory=RouteSettings)
 

@@ -23,6 +23,7 @@ from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
 from .config import RouteSettings, convert_option
 from .errors import (
     ConfigError,
+    EncryptionError,
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
@@ -228,6 +229,13 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
     except StoreError as exc:
         logger.error("decision=store_failed consumer key=%r error=%s", claim.key, exc)
         raise
+    except EncryptionError as exc:
+        # fn ran and its result cannot be kept, as with a result that is not JSON.
+        _end(claim, KeyStatus.UNKNOWN, None)
+        raise EncryptionError(
+            f"run_once: the result of {claim.key!r} could not be encrypted ({exc});"
+            " the key is now unknown"
+        ) from exc
     level = logging.DEBUG if owned else logging.WARNING
     logger.log(
         level,

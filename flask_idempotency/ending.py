@@ -17,10 +17,18 @@ from typing import Any
 import psycopg
 from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
+from werkzeug.http import http_date
 
 from . import signals
+from .answers import EXPIRES_HEADER
 from .claim import ClaimedKey, peek_claim, pop_claim
-from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
+from .errors import (
+    EncryptionError,
+    ProblemError,
+    ResponseNotStorable,
+    StoreError,
+    StoreUnavailable,
+)
 from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
@@ -86,6 +94,19 @@ def teardown_request(exc: BaseException | None) -> None:
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
     ending = ending_of(claim, response)
+    transactional = claim.pinned is not None
+    try:
+        return _apply(claim, ending, response)
+    except EncryptionError as exc:
+        return _unsealable(claim, exc, transactional)
+
+
+def _apply(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
+    """Apply *ending*; returns what the client gets.
+
+    :raises EncryptionError: the response could not be sealed; nothing was written
+        (a transactional view's work is rolled back).
+    """
     if claim.pinned is not None:
         lost = _connection_lost(claim)
         committed = _end_transaction(claim, ending)
@@ -103,6 +124,8 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
         _end_attempt(claim, ending)
     if ending.refusal is not None:
         return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
+    if ending.stored is not None and claim.expires_at is not None and claim.settings.expires_header:
+        response.headers[EXPIRES_HEADER] = http_date(claim.expires_at)
     return response
 
 
@@ -201,7 +224,7 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
     """
     settings = claim.settings
     try:
-        owned = claim.store.finish(
+        claim.expires_at = claim.store.finish(
             claim.tenant,
             claim.key,
             claim.outcome,
@@ -214,6 +237,7 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
     except StoreError as exc:
         _report_store_failure(claim, exc)
         return
+    owned = claim.expires_at is not None
     if not owned:
         logger.warning(
             "decision=fenced %s: a newer attempt owns the key; nothing was written",
@@ -244,7 +268,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
 def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
     """Store the response in the pinned transaction and commit it with the view's writes."""
     try:
-        claim.store.finish(
+        claim.expires_at = claim.store.finish(
             claim.tenant,
             claim.key,
             claim.outcome,
@@ -255,10 +279,29 @@ def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None
             jobs=ending.jobs,
             pinned=pinned,
         )
-    except StoreError:
+    except (StoreError, EncryptionError):
         claim.store.unpin(pinned, commit=False)  # returns the connection in any case
         raise
     claim.store.unpin(pinned, commit=True)
+
+
+def _unsealable(claim: ClaimedKey, exc: EncryptionError, transactional: bool) -> Response:
+    """``IDEMPOTENCY_ENCRYPTOR`` could not seal the response: it is not stored, and the
+    client does not get it (a retry could not replay it). A plain view's work is done,
+    so its key becomes ``unknown``; a transactional view's was rolled back."""
+    logger.error("decision=encryption_failed %s error=%s", _fields(claim), exc)
+    if transactional:
+        _report(
+            claim,
+            Ending(KeyStatus.RETRYABLE, "encryption failed"),
+            stored=False,
+            transactional=True,
+        )
+        detail = "The response could not be encrypted for storage; nothing was committed."
+    else:
+        _end_attempt(claim, Ending(KeyStatus.UNKNOWN, "encryption failed"))
+        detail = "The response could not be encrypted for storage; its outcome is unknown."
+    return _problem_response(claim.settings.problem(ResponseNotStorable, detail))
 
 
 # -- telling about it --------------------------------------------------------------------
@@ -275,7 +318,12 @@ def _report(
             cache = get_state(app).replay_cache
             if cache is not None:
                 cache.remember_stored(
-                    claim.tenant, claim.key, claim.outcome, ending.stored, claim.settings.ttl
+                    claim.tenant,
+                    claim.key,
+                    claim.outcome,
+                    ending.stored,
+                    claim.settings.ttl,
+                    claim.expires_at,
                 )
         suffix = " transactional" if transactional else ""
         if logger.isEnabledFor(logging.DEBUG):  # _fields hashes the tenant

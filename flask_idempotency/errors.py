@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from flask import has_request_context, request
 from werkzeug.exceptions import (
     BadRequest,
     Conflict,
@@ -42,6 +43,12 @@ class StoreError(IdempotencyError):
         #: True: the database could not be reached or could not serve now (a retry
         #: may succeed); False: it refused the statement (a retry will not help)
         self.outage = outage
+
+
+class EncryptionError(IdempotencyError, ValueError):
+    """``IDEMPOTENCY_ENCRYPTOR`` failed: it raised or returned something other than
+    bytes, or a stored value cannot be opened (no key decrypts it, or it was sealed for
+    another key). Nothing wrong is ever stored or replayed because of it."""
 
 
 class AttemptSuperseded(IdempotencyError):
@@ -90,12 +97,17 @@ class ProblemError(IdempotencyError, HTTPException):
         if self.error_format == "stripe":
             error = {"type": self.stripe_type, "code": self.slug, "message": self.detail}
             return json.dumps({"error": error})
-        body = {
+        body: dict[str, Any] = {
             "type": self.problem_type,
             "title": self.title,
             "status": self.code,
             "detail": self.detail,
         }
+        if has_request_context():  # the occurrence: the path the client asked for
+            body["instance"] = request.script_root + request.path
+        # an extension member (RFC 9457 §3.2): Stripe-Should-Retry, for clients that
+        # read bodies rather than headers
+        body["retryable"] = self.should_retry is True
         return json.dumps(body)
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
@@ -187,6 +199,16 @@ class StoreRefused(ProblemError, InternalServerError):
 
     slug = "store-refused"
     title = "Idempotency store refused the request"
+    should_retry = False
+    stripe_type = "api_error"
+
+
+class FingerprintFailed(ProblemError, InternalServerError):
+    """The route's ``fingerprint=`` function raised, or returned something other than
+    bytes or text; nothing was claimed and the view did not run."""
+
+    slug = "fingerprint-failed"
+    title = "The request fingerprint could not be computed"
     should_retry = False
     stripe_type = "api_error"
 

@@ -24,6 +24,7 @@ from .asynchronous import answer_asynchronous
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
 from .errors import (
+    FingerprintFailed,
     MissingKey,
     ProblemError,
     RequestTooLarge,
@@ -31,7 +32,7 @@ from .errors import (
     StoreRefused,
     StoreUnavailable,
 )
-from .fingerprint import fingerprint
+from .fingerprint import custom_fingerprint, fingerprint
 from .keys import load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .postgres import PinnedConnection
@@ -140,7 +141,38 @@ def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Ide
     if request.query_string:
         path += "?" + request.query_string.decode("latin-1")
     stored = capture(settings, body) if settings.complete else None
-    return Identity(tenant, key, fingerprint(request.method, path, request.mimetype, body), stored)
+    return Identity(tenant, key, _fingerprint(settings, path, body), stored)
+
+
+def _fingerprint(settings: RouteSettings, path: str, body: bytes) -> bytes:
+    """The request fingerprint, as the route narrows it (``fingerprint_exclude``), or
+    with the route's ``fingerprint=`` function's value in place of the body.
+
+    :raises FingerprintFailed: that function raised or returned neither bytes nor text.
+        Nothing is claimed: a fingerprint guessed would replay one request's answer
+        to another.
+    """
+    if settings.fingerprint is None:
+        return fingerprint(
+            request.method, path, request.mimetype, body, settings.fingerprint_exclude
+        )
+    name = getattr(settings.fingerprint, "__qualname__", repr(settings.fingerprint))
+    try:
+        part = settings.fingerprint(request._get_current_object())  # type: ignore[attr-defined]
+    except Exception as exc:
+        logger.exception("decision=fingerprint_failed path=%r: %s raised", request.path, name)
+        detail = f"The route's fingerprint function raised {type(exc).__name__}."
+        raise settings.problem(FingerprintFailed, detail) from exc
+    if not isinstance(part, (bytes, str)):
+        logger.error(
+            "decision=fingerprint_failed path=%r: %s returned %s, not bytes or str",
+            request.path,
+            name,
+            type(part).__name__,
+        )
+        detail = "The route's fingerprint function returned neither bytes nor text."
+        raise settings.problem(FingerprintFailed, detail)
+    return custom_fingerprint(request.method, path, part)
 
 
 def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:

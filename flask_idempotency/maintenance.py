@@ -13,7 +13,7 @@ from typing import Any
 from psycopg.rows import dict_row
 
 from .model import KeyStatus, StoredResponse
-from .postgres import PostgresStore, response_params
+from .postgres import PostgresStore
 from .queries import (
     COUNT_ABANDONED,
     COUNT_EXPIRED,
@@ -27,6 +27,7 @@ from .queries import (
     SHOW_KEY,
 )
 from .queries_background import LIST_EXHAUSTED
+from .sealing import refused
 
 
 class Maintenance:
@@ -72,12 +73,23 @@ class Maintenance:
             return cur.execute(self.store.render(LIST_KEYS), params, prepare=False).fetchall()
 
     def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
-        """Everything stored for one key, or None."""
+        """Everything stored for one key (its response decrypted), or None.
+
+        :raises StoreError: the store failed, or the stored response cannot be opened.
+        """
         with self.store.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(
+            row = cur.execute(
                 self.store.render(SHOW_KEY), {"tenant": tenant, "key": key}, prepare=False
             ).fetchone()
+        if row is not None and row["response_status"] is not None:
+            status, headers, body = (
+                row[f"response_{part}"] for part in ("status", "headers", "body")
+            )
+            with refused("the stored response cannot be read"):
+                stored = self.store.at_rest.open_response(tenant, key, status, headers, body)
+            row["response_headers"], row["response_body"] = stored.headers, stored.body
+        return row
 
     def resolve(
         self,
@@ -93,12 +105,14 @@ class Maintenance:
         False when there is no such key in ``unknown`` (or, with *fence*, when the key
         is no longer at that ``(attempt, generation, looks)``)."""
         attempt, generation, looks = fence or (None, None, None)
+        with refused("the response could not be stored"):
+            stored = self.store.at_rest.response_params(tenant, key, response)
         params = {
             "tenant": tenant,
             "key": key,
             "status": status.value,
             "ttl": ttl,
-            **response_params(response),
+            **stored,
             "attempt": attempt,
             "generation": generation,
             "looks": looks,

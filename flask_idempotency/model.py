@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from datetime import datetime
 
 
 class KeyStatus(str, enum.Enum):
@@ -60,6 +61,8 @@ class ClaimOutcome:
     response: StoredResponse | None = None
     #: seconds until a replayed key expires (by the database's clock)
     expires_in: float = 0.0
+    #: when a replayed key expires (the database's ``expires_at``)
+    expires_at: datetime | None = None
 
     @property
     def owns_key(self) -> bool:

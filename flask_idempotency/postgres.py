@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -37,12 +37,13 @@ from .pool import (
     warn_unprepared,
 )
 from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
-from .rows import claim_outcome, response_params
+from .rows import claim_outcome
 from .schema import Schema
+from .sealing import AtRest, refused
 from .statement import Statement, execute
-from .stored_request import StoredRequest, request_params
+from .stored_request import StoredRequest
 
-__all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
+__all__ = ["PinnedConnection", "PostgresStore", "store_errors"]
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -80,6 +81,7 @@ class PostgresStore:
         self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = self.schema.channel
+        self.at_rest = AtRest(settings.encryptor)  #: seals what is stored (or not)
         # The request path's statements, composed once: psycopg re-renders a Composed
         # on every execute, but caches the parsing of a plain string.
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
@@ -203,6 +205,8 @@ class PostgresStore:
         With *pinned*, the claim joins that connection's open transaction: its lock
         and row last until :meth:`unpin` commits or rolls back.
         """
+        with refused("the request could not be stored"):
+            stored = self.at_rest.request_params(tenant, key, request)
         params = {
             "tenant": tenant,
             "key": key,
@@ -211,11 +215,12 @@ class PostgresStore:
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
-            **request_params(request),
+            **stored,
         }
         _, row = self._run(self._claim, params, pinned)
         assert row is not None
-        return claim_outcome(row, fingerprint)
+        with refused("the stored response cannot be read"):
+            return claim_outcome(row, fingerprint, self.at_rest, tenant, key)
 
     def claim_pinned(
         self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None
@@ -256,11 +261,11 @@ class PostgresStore:
         notify: bool = False,
         jobs: Sequence[StagedJob] = (),
         pinned: PinnedConnection | None = None,
-    ) -> bool:
-        """End the attempt *outcome* with *status*; False if a newer attempt owns the key.
+    ) -> datetime | None:
+        """End the attempt *outcome* with *status*: the key's new ``expires_at`` (None: fenced).
 
-        *jobs* are inserted in the same statement, only if the key changed. With
-        *pinned*, the UPDATE joins that connection's transaction.
+        *jobs* are inserted in the same statement, only if the key changed. With *pinned*,
+        the UPDATE joins that transaction. An unsealable *response* raises EncryptionError.
         """
         params = {
             "tenant": tenant,
@@ -269,13 +274,13 @@ class PostgresStore:
             "generation": outcome.generation,
             "status": status.value,
             "ttl": ttl.total_seconds(),
-            **response_params(response),
+            **self.at_rest.response_params(tenant, key, response),
             "lock_id": lock_id(tenant, key),
         }
         if jobs:
             params.update(stage_params(jobs))
-        rowcount, _ = self._run(self._finishes[notify, bool(jobs)], params, pinned)
-        return rowcount == 1
+        rowcount, row = self._run(self._finishes[notify, bool(jobs)], params, pinned)
+        return row[1] if rowcount == 1 and row is not None else None
 
     def notify(self, tenant: str, key: str) -> None:
         """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""

@@ -105,7 +105,7 @@ WITH seen AS (
     SELECT status, fingerprint, attempt, generation, recovery_point,
            locked_until <= now() AS lease_over,
            status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
-           extract(epoch FROM expires_at - now()) AS expires_in,
+           extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
            response_status, response_headers, response_body
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), intent AS (
@@ -164,7 +164,8 @@ WITH seen AS (
 )
 SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
-       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in
+       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
+       seen.expires_at
 FROM intent
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
@@ -173,6 +174,7 @@ LEFT JOIN seen ON true
 # The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
 # whose key was taken over, or used afresh after expiry, changes nothing. A completed
 # key no longer needs its stored request (complete=True): it is dropped at once.
+# It returns the new expires_at (for Idempotency-Key-Expires) at no extra round trip.
 FINISH = """
 UPDATE {table}
 SET status = %(status)s, locked_until = NULL, updated_at = now(),
@@ -186,7 +188,7 @@ SET status = %(status)s, locked_until = NULL, updated_at = now(),
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
   AND status <> 'completed'
-RETURNING {notify}
+RETURNING {notify}, expires_at
 """
 
 # A recovery point commits with the phase's writes, fenced like the finish, and

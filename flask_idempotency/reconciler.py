@@ -26,8 +26,10 @@ from . import signals
 from .claim import derived_key
 from .config import RouteSettings
 from .dispatch import MAX_BACKOFF
+from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
 from .queries_background import DUE_FOR_RECONCILE, RESCHEDULE
+from .sealing import AtRest
 from .state import IdempotencyState
 from .stored_request import StoredRequest
 
@@ -111,7 +113,7 @@ class Reconciliation:
         }
         with store.connection() as conn:
             rows = conn.execute(store.render(DUE_FOR_RECONCILE), params).fetchall()
-        return [self._look(_unknown_key(row)) for row in rows]
+        return [self._look(_unknown_key(row, store.at_rest)) for row in rows]
 
     def _look(self, key: UnknownKey) -> Look:
         try:
@@ -243,12 +245,18 @@ def announce_resolved(app: Flask, tenant: str, key: str, status: KeyStatus, sour
     signals.reconcile_resolved.send(app, tenant=tenant, key=key, status=status.value, source=source)
 
 
-def _unknown_key(row: tuple[Any, ...]) -> UnknownKey:
+def _unknown_key(row: tuple[Any, ...], at_rest: AtRest) -> UnknownKey:
     tenant, key, attempt, generation, point, looks, document, body = row
     try:
-        request = StoredRequest.decode(document, body) if document is not None else None
-    except ValueError:
-        request = None  # a tampered stored request: the reconciler decides without it
+        request = (
+            at_rest.open_request(tenant, key, document, body) if document is not None else None
+        )
+    except ValueError as exc:
+        # A tampered stored request, or one no key decrypts: decide without it.
+        logger.warning(
+            "reconcile=request_unreadable tenant=%s key=%r: %s", tenant_tag(tenant), key, exc
+        )
+        request = None
     return UnknownKey(tenant, key, attempt, generation, point, looks, request)
 
 

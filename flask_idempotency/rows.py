@@ -1,26 +1,22 @@
-"""Between rows and data types: what the claim statement's row means, and the bound
-parameters that store a response. No SQL is run here; :mod:`.postgres` runs it."""
+"""Between rows and data types: what the claim statement's row means. No SQL is run
+here; :mod:`.postgres` runs it. The bound parameters that store a response or a
+request are :class:`.sealing.AtRest`'s."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from psycopg.types.json import Jsonb
-
-from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
-
-
-def response_params(response: StoredResponse | None) -> dict[str, Any]:
-    """The bound parameters that store *response* (all NULL without one)."""
-    return {
-        "response_status": response.status if response else None,
-        "response_headers": Jsonb(response.headers) if response else None,
-        "response_body": response.body if response else None,
-    }
+from .model import ClaimOutcome, Decision, KeyStatus
+from .sealing import AtRest
 
 
-def claim_outcome(row: tuple[Any, ...], fingerprint: bytes) -> ClaimOutcome:
-    """What the claim statement's one row means."""
+def claim_outcome(
+    row: tuple[Any, ...], fingerprint: bytes, at_rest: AtRest, tenant: str, key: str
+) -> ClaimOutcome:
+    """What the claim statement's one row means.
+
+    :raises EncryptionError: a replay whose stored response cannot be opened.
+    """
     (intent, attempt, generation, point, marked, seen_status, seen_attempt) = row[:7]
     decision = Decision(intent)
     if decision in (Decision.CLAIMED, Decision.TAKEN_OVER):
@@ -38,9 +34,13 @@ def claim_outcome(row: tuple[Any, ...], fingerprint: bytes) -> ClaimOutcome:
     if decision is Decision.MARKED_UNKNOWN and not marked:
         return ClaimOutcome(Decision.IN_PROGRESS)
     if decision is Decision.REPLAY:
-        status, headers, body, expires_in = row[7:11]
-        response = StoredResponse(status, [(n, v) for n, v in headers], bytes(body))
+        status, headers, body, expires_in, expires_at = row[7:12]
+        response = at_rest.open_response(tenant, key, status, headers, body)
         return ClaimOutcome(
-            decision, attempt=seen_attempt, response=response, expires_in=float(expires_in)
+            decision,
+            attempt=seen_attempt,
+            response=response,
+            expires_in=float(expires_in),
+            expires_at=expires_at,
         )
     return ClaimOutcome(decision, attempt=seen_attempt or 0)
