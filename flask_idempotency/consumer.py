@@ -245,7 +245,7 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
         claim.key,
         claim.attempt,
     )
-    return owned
+    return owned is not None
 
 
 @contextmanager
