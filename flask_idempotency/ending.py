@@ -18,7 +18,7 @@ import psycopg
 from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 
-from . import signals
+from . import signals, tracing
 from .claim import ClaimedKey, peek_claim, pop_claim
 from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
 from .jobs import StagedJob
@@ -85,10 +85,13 @@ def teardown_request(exc: BaseException | None) -> None:
 
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
-    ending = ending_of(claim, response)
-    if claim.pinned is not None:
+    with claim.trace.span(tracing.FINISH) as span:
+        ending = ending_of(claim, response)
+        if claim.pinned is None:
+            _end_attempt(claim, ending, span)
+            return _refused(claim, ending, response)
         lost = _connection_lost(claim)
-        committed = _end_transaction(claim, ending)
+        committed = _end_transaction(claim, ending, span)
         if (ending.stored is not None and not committed) or lost:
             # Nothing committed: the client must not be told the work was done, nor
             # get a bare 500 for a database that went away under the view.
@@ -99,8 +102,11 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
                     retry_after=True,
                 )
             )
-    else:
-        _end_attempt(claim, ending)
+        return _refused(claim, ending, response)
+
+
+def _refused(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
+    """*response*, or the problem the client gets when it could not be stored."""
     if ending.refusal is not None:
         return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
     return response
@@ -192,7 +198,7 @@ def _body_within(response: Response, limit: int) -> bytes | None:
 # -- applying it -----------------------------------------------------------------------
 
 
-def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
+def _end_attempt(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> None:
     """A plain view: the one fenced UPDATE that ends the attempt.
 
     A store failure is logged, never raised: the client still gets its answer, the
@@ -212,17 +218,17 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
             jobs=ending.jobs,
         )
     except StoreError as exc:
-        _report_store_failure(claim, exc)
+        _report_store_failure(claim, exc, span)
         return
     if not owned:
         logger.warning(
             "decision=fenced %s: a newer attempt owns the key; nothing was written",
             _fields(claim),
         )
-    _report(claim, ending, stored=owned)
+    _report(claim, ending, span, stored=owned)
 
 
-def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
+def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> bool:
     """A transactional view: commit its writes with the stored response, or roll
     everything back. True if the response committed."""
     pinned, claim.pinned = claim.pinned, None
@@ -235,9 +241,9 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
             if claim.settings.wait > 0:  # twins waiting on this key may claim it now
                 claim.store.notify(claim.tenant, claim.key)
     except StoreError as exc:
-        _report_store_failure(claim, exc)
+        _report_store_failure(claim, exc, span)
         return False
-    _report(claim, ending, stored=True, transactional=True)
+    _report(claim, ending, span, stored=True, transactional=True)
     return ending.stored is not None
 
 
@@ -265,9 +271,14 @@ def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None
 
 
 def _report(
-    claim: ClaimedKey, ending: Ending, *, stored: bool, transactional: bool = False
+    claim: ClaimedKey,
+    ending: Ending,
+    span: tracing.SpanScope,
+    *,
+    stored: bool,
+    transactional: bool = False,
 ) -> None:
-    """The log line and the signal of an applied ending."""
+    """The log line, the span's decision and the signal of an applied ending."""
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     who: dict[str, Any] = {"tenant": claim.tenant, "key": claim.key, "attempt": claim.attempt}
     if ending.stored is not None:
@@ -277,6 +288,7 @@ def _report(
                 cache.remember_stored(
                     claim.tenant, claim.key, claim.outcome, ending.stored, claim.settings.ttl
                 )
+        span.decided("stored" if stored else "fenced", claim.attempt)
         suffix = " transactional" if transactional else ""
         if logger.isEnabledFor(logging.DEBUG):  # _fields hashes the tenant
             logger.debug(
@@ -286,12 +298,14 @@ def _report(
             signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
         return
     status = "rolled_back" if transactional else ending.status.value
+    span.decided(status, claim.attempt)
     level = logging.WARNING if status == KeyStatus.UNKNOWN.value else logging.INFO
     logger.log(level, "decision=%s %s reason=%s", status, _fields(claim), ending.reason)
     signals.released.send(app, **who, status=status, reason=ending.reason)
 
 
-def _report_store_failure(claim: ClaimedKey, exc: StoreError) -> None:
+def _report_store_failure(claim: ClaimedKey, exc: StoreError, span: tracing.SpanScope) -> None:
+    span.failed(exc)
     logger.error("decision=store_failed %s error=%s", _fields(claim), exc)
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.store_unavailable.send(

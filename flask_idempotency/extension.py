@@ -16,6 +16,7 @@ from flask import Flask, current_app, got_request_exception
 from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
+from . import tracing
 from .asynchronous import register_status_view
 from .cli import COMMANDS
 from .cli_workers import COMMANDS as WORKER_COMMANDS
@@ -92,6 +93,7 @@ class Idempotency:
         app.extensions[EXTENSION_NAME] = IdempotencyState(
             self, settings, PostgresStore(settings, pool)
         )
+        tracing.enable()  # spans when OpenTelemetry is installed (extra otel) and configured
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
