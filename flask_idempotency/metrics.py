@@ -55,6 +55,9 @@ class PrometheusMetrics:
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
       keys in ``unknown``, and unknown keys whose reconciliation gave up
       (``exhausted``), read from the database when scraped. Alert on them.
+    - ``idempotency_deferred_keys``: ``asynchronous=True`` keys waiting for a run, and
+      ``idempotency_jobs{state}``: staged jobs ``due`` (never tried, not failing),
+      ``failing`` (failed at least once, not dead) and ``dead``; read when scraped too.
     """
 
     def __init__(self, app: Flask | None = None, registry: CollectorRegistry = REGISTRY) -> None:
@@ -151,7 +154,8 @@ class PrometheusMetrics:
 
 
 class StuckKeysCollector(Collector):
-    """Reads how many keys are stuck, at scrape time, with one indexed query."""
+    """Reads how many keys are stuck, deferred, and how many jobs wait, at scrape time,
+    with two short queries."""
 
     def __init__(self, maintenance: Maintenance, max_attempts: int) -> None:
         self.maintenance = maintenance
@@ -169,3 +173,22 @@ class StuckKeysCollector(Collector):
         family.add_metric(["unknown"], unknown)
         family.add_metric(["exhausted"], exhausted)
         yield family
+        yield from self._backlog()
+
+    def _backlog(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            deferred, due, failing, dead = self.maintenance.count_backlog()
+        except StoreError:
+            return
+        yield GaugeMetricFamily(
+            "idempotency_deferred_keys",
+            "asynchronous=True keys waiting for a run.",
+            value=deferred,
+        )
+        jobs = GaugeMetricFamily(
+            "idempotency_jobs", "Staged jobs not yet dispatched, by state.", labels=["state"]
+        )
+        jobs.add_metric(["due"], due)
+        jobs.add_metric(["failing"], failing)
+        jobs.add_metric(["dead"], dead)
+        yield jobs
