@@ -8,6 +8,7 @@ processes.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from helpers import hold_first, post, problem, wait_until
+from helpers import create_example_tables, hold_first, post, problem, wait_until
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -371,3 +372,54 @@ def test_without_opentelemetry_nothing_of_it_is_imported(database_url: str) -> N
 def test_without_a_provider_requests_get_no_spans(database_url: str) -> None:
     # the API is there and imported, but nothing is configured: every request gets NO_TRACE
     assert "'opentelemetry.trace'" in run_child(database_url, "")
+
+
+# -- the example ---------------------------------------------------------------------------
+
+EXAMPLE = """
+import sys, uuid
+sys.path.insert(0, {root!r})
+from example.app import create_app
+app = create_app({url!r})
+client = app.test_client()
+headers = {{"X-API-Key": "acct_traced", "Idempotency-Key": "pay-" + uuid.uuid4().hex}}
+response = client.post("/payments", json={{"amount": 1000}}, headers=headers)
+assert response.status_code == 201, response.data
+app.extensions["idempotency"].store.close()
+"""
+
+
+def test_the_example_prints_a_payments_trace_on_the_console(database_url: str, db: DB) -> None:
+    create_example_tables(db)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", EXAMPLE.format(root=root, url=database_url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "OTEL_TRACES_EXPORTER": "console", "EXAMPLE_PROVIDER_LATENCY": "0"},
+    )
+    assert done.returncode == 0, done.stderr
+    decoder, text, printed = json.JSONDecoder(), done.stdout, []
+    position = 0
+    while text[position:].strip():
+        span, position = decoder.raw_decode(text, len(text) - len(text[position:].lstrip()))
+        printed.append(span)
+    by_name = {span["name"]: span for span in printed}
+    request = by_name["POST /payments"]
+    trace_id, request_id = request["context"]["trace_id"], request["context"]["span_id"]
+    ours = [s for s in printed if s["name"].startswith("idempotency.")]
+    assert sorted(s["name"] for s in ours) == [
+        "idempotency.claim",
+        "idempotency.finish",
+        "idempotency.phase",
+        "idempotency.phase",
+    ]
+    for span in ours:
+        assert span["context"]["trace_id"] == trace_id
+        assert span["parent_id"] == request_id
+    assert by_name["idempotency.claim"]["attributes"]["idempotency.tenant_hash"] == tenant_tag(
+        "acct_traced"
+    )
+    assert "acct_traced" not in json.dumps(ours)
