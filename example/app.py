@@ -35,6 +35,7 @@ from werkzeug.exceptions import HTTPException
 from example.jobs import use_jobs
 from example.provider import SCHEMA as PROVIDER_SCHEMA
 from example.provider import FakeProvider
+from example.tracing import use_tracing
 from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
 
 idempotency = Idempotency()
@@ -81,6 +82,7 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
     app.config.update(config)
     idempotency.init_app(app)
     use_jobs(app, idempotency)
+    use_tracing(app)  # OTEL_TRACES_EXPORTER=console: spans on stdout
     # The app's own pool, opened lazily in each worker (after the fork) like the extension's.
     pool: ConnectionPool[Any] = ConnectionPool(
         url, min_size=1, max_size=4, open=False, kwargs={"row_factory": dict_row}

@@ -13,6 +13,7 @@ import psycopg
 from flask import g
 from werkzeug.local import LocalProxy
 
+from . import tracing
 from .config import RouteSettings
 from .jobs import StagedJob, staged_job
 from .model import ClaimOutcome
@@ -37,6 +38,7 @@ class ClaimedKey:
         *,
         protected: bool = True,
         pinned: PinnedConnection | None = None,
+        trace: tracing.RequestTrace = tracing.NO_TRACE,
     ) -> None:
         #: the tenant the key belongs to (``""`` without a tenant loader)
         self.tenant = tenant
@@ -62,6 +64,8 @@ class ClaimedKey:
         self._phase_jobs: list[StagedJob] | None = None
         #: the key's ``expires_at`` once its attempt ended (None: not written)
         self.expires_at: datetime | None = None
+        #: the request's spans (children of the span the request reached the view in)
+        self.trace = trace
 
     @property
     def attempt(self) -> int:
@@ -112,10 +116,12 @@ class ClaimedKey:
         jobs: list[StagedJob] = []
         self._phase_jobs = jobs
         try:
-            with self.store.phase(
-                self.tenant, self.key, self.outcome, name, lease=self.settings.lease, jobs=jobs
-            ) as conn:
-                yield conn
+            with self.trace.span(tracing.PHASE, current=True, phase=name) as span:
+                with self.store.phase(
+                    self.tenant, self.key, self.outcome, name, lease=self.settings.lease, jobs=jobs
+                ) as conn:
+                    yield conn
+                span.decided("committed", self.attempt)
         finally:
             self._phase_jobs = None
         self.outcome = dataclasses.replace(self.outcome, recovery_point=name)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from flask import current_app
 
+from . import tracing
 from .answers import decision_signals
 from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
 from .config import RouteSettings, convert_option
@@ -78,11 +79,14 @@ def run_once(
     if not isinstance(key, str):
         raise InvalidKey(f"the message key must be a str, got {key!r:.80}")
     key = parse_key([key], "The message key")
-    outcome = state.store.claim(tenant, key, _fingerprint(fn), settings)
+    trace = tracing.start(tenant, key)
+    with trace.span(tracing.CLAIM) as span:
+        outcome = state.store.claim(tenant, key, _fingerprint(fn), settings)
+        span.claimed(outcome)
     _announce(tenant, key, outcome)
     if not outcome.owns_key:
         return _replayed(tenant, key, outcome)  # type: ignore[no-any-return]
-    claim = ClaimedKey(tenant, key, outcome, settings, state.store)
+    claim = ClaimedKey(tenant, key, outcome, settings, state.store, trace=trace)
     return _run(settings, claim, fn, args, kwargs)
 
 
@@ -216,16 +220,18 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
     False: another delivery owns the key now, nothing changed."""
     jobs = claim.jobs if response is not None and response.status == RESULT_STATUS else []
     try:
-        owned = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            status,
-            ttl=claim.settings.ttl,
-            response=response,
-            notify=claim.settings.wait > 0,
-            jobs=jobs,
-        )
+        with claim.trace.span(tracing.FINISH) as span:
+            owned = claim.store.finish(
+                claim.tenant,
+                claim.key,
+                claim.outcome,
+                status,
+                ttl=claim.settings.ttl,
+                response=response,
+                notify=claim.settings.wait > 0,
+                jobs=jobs,
+            )
+            span.decided(status.value if owned else "fenced", claim.attempt)
     except StoreError as exc:
         logger.error("decision=store_failed consumer key=%r error=%s", claim.key, exc)
         raise

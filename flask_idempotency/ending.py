@@ -19,7 +19,7 @@ from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 from werkzeug.http import http_date
 
-from . import signals
+from . import signals, tracing
 from .answers import EXPIRES_HEADER
 from .claim import ClaimedKey, peek_claim, pop_claim
 from .errors import (
@@ -93,35 +93,43 @@ def teardown_request(exc: BaseException | None) -> None:
 
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
-    ending = ending_of(claim, response)
-    transactional = claim.pinned is not None
-    try:
-        return _apply(claim, ending, response)
-    except EncryptionError as exc:
-        return _unsealable(claim, exc, transactional)
+    with claim.trace.span(tracing.FINISH) as span:
+        ending = ending_of(claim, response)
+        transactional = claim.pinned is not None  # applying unpins it
+        try:
+            return _apply(claim, ending, response, span)
+        except EncryptionError as exc:
+            return _unsealable(claim, exc, span, transactional)
 
 
-def _apply(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
+def _apply(
+    claim: ClaimedKey, ending: Ending, response: Response, span: tracing.SpanScope
+) -> Response:
     """Apply *ending*; returns what the client gets.
 
     :raises EncryptionError: the response could not be sealed; nothing was written
         (a transactional view's work is rolled back).
     """
-    if claim.pinned is not None:
-        lost = _connection_lost(claim)
-        committed = _end_transaction(claim, ending)
-        if (ending.stored is not None and not committed) or lost:
-            # Nothing committed: the client must not be told the work was done, nor
-            # get a bare 500 for a database that went away under the view.
-            return _problem_response(
-                claim.settings.problem(
-                    StoreUnavailable,
-                    "The result could not be committed; nothing was done. Retry the request.",
-                    retry_after=True,
-                )
+    if claim.pinned is None:
+        _end_attempt(claim, ending, span)
+        return _refused(claim, ending, response)
+    lost = _connection_lost(claim)
+    committed = _end_transaction(claim, ending, span)
+    if (ending.stored is not None and not committed) or lost:
+        # Nothing committed: the client must not be told the work was done, nor
+        # get a bare 500 for a database that went away under the view.
+        return _problem_response(
+            claim.settings.problem(
+                StoreUnavailable,
+                "The result could not be committed; nothing was done. Retry the request.",
+                retry_after=True,
             )
-    else:
-        _end_attempt(claim, ending)
+        )
+    return _refused(claim, ending, response)
+
+
+def _refused(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
+    """*response*, or the problem the client gets when it could not be stored."""
     if ending.refusal is not None:
         return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
     if ending.stored is not None and claim.expires_at is not None and claim.settings.expires_header:
@@ -215,7 +223,7 @@ def _body_within(response: Response, limit: int) -> bytes | None:
 # -- applying it -----------------------------------------------------------------------
 
 
-def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
+def _end_attempt(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> None:
     """A plain view: the one fenced UPDATE that ends the attempt.
 
     A store failure is logged, never raised: the client still gets its answer, the
@@ -235,7 +243,7 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
             jobs=ending.jobs,
         )
     except StoreError as exc:
-        _report_store_failure(claim, exc)
+        _report_store_failure(claim, exc, span)
         return
     owned = claim.expires_at is not None
     if not owned:
@@ -243,10 +251,10 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
             "decision=fenced %s: a newer attempt owns the key; nothing was written",
             _fields(claim),
         )
-    _report(claim, ending, stored=owned)
+    _report(claim, ending, span, stored=owned)
 
 
-def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
+def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> bool:
     """A transactional view: commit its writes with the stored response, or roll
     everything back. True if the response committed."""
     pinned, claim.pinned = claim.pinned, None
@@ -259,9 +267,9 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
             if claim.settings.wait > 0:  # twins waiting on this key may claim it now
                 claim.store.notify(claim.tenant, claim.key)
     except StoreError as exc:
-        _report_store_failure(claim, exc)
+        _report_store_failure(claim, exc, span)
         return False
-    _report(claim, ending, stored=True, transactional=True)
+    _report(claim, ending, span, stored=True, transactional=True)
     return ending.stored is not None
 
 
@@ -285,7 +293,9 @@ def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None
     claim.store.unpin(pinned, commit=True)
 
 
-def _unsealable(claim: ClaimedKey, exc: EncryptionError, transactional: bool) -> Response:
+def _unsealable(
+    claim: ClaimedKey, exc: EncryptionError, span: tracing.SpanScope, transactional: bool
+) -> Response:
     """``IDEMPOTENCY_ENCRYPTOR`` could not seal the response: it is not stored, and the
     client does not get it (a retry could not replay it). A plain view's work is done,
     so its key becomes ``unknown``; a transactional view's was rolled back."""
@@ -294,12 +304,13 @@ def _unsealable(claim: ClaimedKey, exc: EncryptionError, transactional: bool) ->
         _report(
             claim,
             Ending(KeyStatus.RETRYABLE, "encryption failed"),
+            span,
             stored=False,
             transactional=True,
         )
         detail = "The response could not be encrypted for storage; nothing was committed."
     else:
-        _end_attempt(claim, Ending(KeyStatus.UNKNOWN, "encryption failed"))
+        _end_attempt(claim, Ending(KeyStatus.UNKNOWN, "encryption failed"), span)
         detail = "The response could not be encrypted for storage; its outcome is unknown."
     return _problem_response(claim.settings.problem(ResponseNotStorable, detail))
 
@@ -308,9 +319,14 @@ def _unsealable(claim: ClaimedKey, exc: EncryptionError, transactional: bool) ->
 
 
 def _report(
-    claim: ClaimedKey, ending: Ending, *, stored: bool, transactional: bool = False
+    claim: ClaimedKey,
+    ending: Ending,
+    span: tracing.SpanScope,
+    *,
+    stored: bool,
+    transactional: bool = False,
 ) -> None:
-    """The log line and the signal of an applied ending."""
+    """The log line, the span's decision and the signal of an applied ending."""
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     who: dict[str, Any] = {"tenant": claim.tenant, "key": claim.key, "attempt": claim.attempt}
     if ending.stored is not None:
@@ -325,6 +341,7 @@ def _report(
                     claim.settings.ttl,
                     claim.expires_at,
                 )
+        span.decided("stored" if stored else "fenced", claim.attempt)
         suffix = " transactional" if transactional else ""
         if logger.isEnabledFor(logging.DEBUG):  # _fields hashes the tenant
             logger.debug(
@@ -334,12 +351,14 @@ def _report(
             signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
         return
     status = "rolled_back" if transactional else ending.status.value
+    span.decided(status, claim.attempt)
     level = logging.WARNING if status == KeyStatus.UNKNOWN.value else logging.INFO
     logger.log(level, "decision=%s %s reason=%s", status, _fields(claim), ending.reason)
     signals.released.send(app, **who, status=status, reason=ending.reason)
 
 
-def _report_store_failure(claim: ClaimedKey, exc: StoreError) -> None:
+def _report_store_failure(claim: ClaimedKey, exc: StoreError, span: tracing.SpanScope) -> None:
+    span.failed(exc)
     logger.error("decision=store_failed %s error=%s", _fields(claim), exc)
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.store_unavailable.send(

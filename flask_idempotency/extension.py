@@ -17,6 +17,7 @@ from flask import Flask, current_app, got_request_exception
 from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
+from . import tracing
 from .asynchronous import register_status_view
 from .cli import COMMANDS
 from .cli_actions import COMMANDS as ACTION_COMMANDS
@@ -108,6 +109,7 @@ class Idempotency:
             PostgresStore(settings, pool),
             database_url_read=app.config.get("IDEMPOTENCY_DATABASE_URL"),
         )
+        tracing.enable()  # spans when OpenTelemetry is installed (extra otel) and configured
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)

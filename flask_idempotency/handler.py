@@ -18,7 +18,7 @@ from collections.abc import Callable
 from flask import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import signals
+from . import signals, tracing
 from .answers import answer
 from .asynchronous import answer_asynchronous
 from .claim import ClaimedKey, set_claim
@@ -86,9 +86,10 @@ def begin(
         return rerun.begin(state, settings, transactional, identity)
     if identity is None:
         return None
+    trace = tracing.start(identity.tenant, identity.key)
     started = time.monotonic()
     try:
-        claim = decide(state, settings, identity, transactional)
+        claim = decide(state, settings, identity, transactional, trace)
     except StoreError as exc:
         _store_unavailable(state, settings, identity, transactional, exc)
         return None
@@ -108,6 +109,7 @@ def begin(
                 settings,
                 state.store,
                 pinned=claim.pinned,
+                trace=trace,
             )
         )
     waited = time.monotonic() - started
@@ -208,7 +210,11 @@ def _request_body(settings: RouteSettings) -> bytes:
 
 
 def decide(
-    state: IdempotencyState, settings: RouteSettings, identity: Identity, transactional: bool
+    state: IdempotencyState,
+    settings: RouteSettings,
+    identity: Identity,
+    transactional: bool,
+    trace: tracing.RequestTrace = tracing.NO_TRACE,
 ) -> Claim:
     """The decision for *identity*: from the replay cache, else from the claim, after
     waiting up to ``settings.wait`` for an in-flight twin.
@@ -217,14 +223,20 @@ def decide(
     """
     started = time.monotonic()
     cache = state.replay_cache
-    if cache is not None:
-        cached = cache.outcome(identity.tenant, identity.key, identity.fingerprint)
+    with trace.span(tracing.CLAIM) as span:
+        cached = None
+        if cache is not None:
+            cached = cache.outcome(identity.tenant, identity.key, identity.fingerprint)
         if cached is not None:
+            span.claimed(cached)
             return Claim(cached, claim_seconds=time.monotonic() - started)
-    claim = _claim(state, settings, identity, transactional)
+        claim = _claim(state, settings, identity, transactional)
+        span.claimed(claim.outcome)
     claim_seconds = time.monotonic() - started
     if claim.outcome.decision is Decision.IN_PROGRESS and settings.wait > 0:
-        claim = _wait_for_twin(state, settings, identity, transactional)
+        with trace.span(tracing.WAIT) as span:
+            claim = _wait_for_twin(state, settings, identity, transactional)
+            span.claimed(claim.outcome)
     if cache is not None and claim.outcome.decision is Decision.REPLAY:
         cache.remember(identity.tenant, identity.key, identity.fingerprint, claim.outcome)
     return dataclasses.replace(claim, claim_seconds=claim_seconds)

@@ -10,12 +10,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from .model import KeyStatus, StoredResponse
+from .pool import bounded
 from .postgres import PostgresStore
 from .queries import (
     COUNT_ABANDONED,
+    COUNT_BACKLOG,
     COUNT_EXPIRED,
     COUNT_STUCK,
     DELETE_EXPIRED,
@@ -26,7 +29,7 @@ from .queries import (
     RESOLVE_KEY,
     SHOW_KEY,
 )
-from .queries_background import LIST_EXHAUSTED
+from .queries_background import DEFERRED, LIST_EXHAUSTED
 from .sealing import refused
 
 
@@ -143,11 +146,23 @@ class Maintenance:
     def count_stuck(self, max_attempts: int) -> tuple[int, int, int]:
         """Claims whose lease ran out, keys in ``unknown``, and the unknown keys that
         had *max_attempts* undecided reconciliation looks (exhausted)."""
+        row = self._counts(self.store.render(COUNT_STUCK), {"max_attempts": max_attempts})
+        return row[0], row[1], row[2]
+
+    def count_backlog(self) -> tuple[int, int, int, int]:
+        """Deferred keys (``asynchronous=True``, waiting for a run), and the staged jobs
+        that are due (never tried, not failing), failing (not dead) and dead."""
+        row = self._counts(self.store.render(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED)), {})
+        return row[0], row[1], row[2], row[3]
+
+    def _counts(self, query: str, params: dict[str, Any]) -> list[int]:
+        """One row of counts, read at scrape time: bounded, so a silent database costs a
+        scrape ``IDEMPOTENCY_STATEMENT_TIMEOUT``, not the scraper's own timeout."""
         with self.store.connection() as conn:
-            params = {"max_attempts": max_attempts}
-            row = conn.execute(self.store.render(COUNT_STUCK), params, prepare=False).fetchone()
+            with bounded(conn, self.store.settings.statement_timeout):
+                row = conn.execute(query, params, prepare=False).fetchone()
         assert row is not None
-        return int(row[0]), int(row[1]), int(row[2])
+        return [int(n) for n in row]
 
     def list_exhausted(self, max_attempts: int, limit: int) -> list[dict[str, Any]]:
         """The dead-letter list: unknown keys whose reconciliation gave up."""

@@ -56,12 +56,15 @@ class PrometheusMetrics:
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
       keys in ``unknown``, and unknown keys whose reconciliation gave up
       (``exhausted``), read from the database when scraped. Alert on them.
+    - ``idempotency_deferred_keys``: ``asynchronous=True`` keys waiting for a run, and
+      ``idempotency_jobs{state}``: staged jobs ``due`` (never tried, not failing),
+      ``failing`` (failed at least once, not dead) and ``dead``; read when scraped too.
 
     Creating it does no I/O: the database is read only when the registry is scraped
     (nothing is opened before gunicorn forks, and a CLI command is not slowed by a
     database that is down). The metrics belong to the *registry*: every app of the
     process that uses the same registry counts into the same series (a second
-    ``create_app()`` is no error), and the stuck keys of each distinct table are read
+    ``create_app()`` is no error), and the gauges of each distinct table are read
     once per scrape. Pass a registry of its own to keep an app's metrics apart.
     """
 
@@ -182,42 +185,65 @@ _LOCK = threading.Lock()
 
 
 class StuckKeysCollector(Collector):
-    """Reads how many keys are stuck, at scrape time, with one indexed query per
-    distinct table of the apps it serves (apps are held weakly)."""
+    """Reads how many keys are stuck or deferred and how many jobs wait, at scrape time,
+    with two short queries per distinct table of the apps it serves (apps are held
+    weakly)."""
 
     def __init__(self) -> None:
         self._apps: weakref.WeakSet[Flask] = weakref.WeakSet()
 
     def add(self, app: Flask) -> None:
-        """Report *app*'s stuck keys too (no I/O)."""
+        """Report *app*'s stuck keys and backlog too (no I/O)."""
         self._apps.add(app)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         """What :meth:`collect` yields, without reading the database: the registry
         calls this when the collector is registered."""
-        yield self._family()
+        yield self._stuck()
+        yield self._deferred(0)
+        yield self._jobs()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts: dict[tuple[str, str], tuple[int, int, int]] = {}
+        stuck: dict[tuple[str, str], tuple[int, int, int]] = {}
+        backlog: dict[tuple[str, str], tuple[int, int, int, int]] = {}
         for app in list(self._apps):
             state = get_state(app)
             # apps on one table (several create_app() of one service) count once
             where = (state.settings.database_url or str(id(state.store)), state.settings.table)
-            if where in counts:
+            if where in stuck or where in backlog:
                 continue
+            # a store that does not answer leaves its gauges out, never reports zeros
             try:
-                counts[where] = state.maintenance.count_stuck(state.settings.reconcile_max_attempts)
+                stuck[where] = state.maintenance.count_stuck(state.settings.reconcile_max_attempts)
+                backlog[where] = state.maintenance.count_backlog()
             except StoreError:
                 continue
-        if not counts:
-            return
-        family = self._family()
-        for index, state_name in enumerate(("abandoned", "unknown", "exhausted")):
-            family.add_metric([state_name], sum(row[index] for row in counts.values()))
-        yield family
+        if stuck:
+            family = self._stuck()
+            for index, name in enumerate(("abandoned", "unknown", "exhausted")):
+                family.add_metric([name], sum(row[index] for row in stuck.values()))
+            yield family
+        if backlog:
+            yield self._deferred(sum(row[0] for row in backlog.values()))
+            jobs = self._jobs()
+            for index, name in enumerate(("due", "failing", "dead"), start=1):
+                jobs.add_metric([name], sum(row[index] for row in backlog.values()))
+            yield jobs
 
     @staticmethod
-    def _family() -> GaugeMetricFamily:
+    def _stuck() -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "idempotency_stuck_keys", "Keys that need attention, by state.", labels=["state"]
+        )
+
+    @staticmethod
+    def _deferred(value: int) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "idempotency_deferred_keys", "asynchronous=True keys waiting for a run.", value=value
+        )
+
+    @staticmethod
+    def _jobs() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "idempotency_jobs", "Staged jobs not yet dispatched, by state.", labels=["state"]
         )

@@ -284,6 +284,16 @@ SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_unti
         WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
 """
 
+# Read at scrape time beside COUNT_STUCK (SPEC §12): asynchronous keys waiting for a run
+# ({deferred}, queries_background.DEFERRED), and the staged jobs by state: due (never
+# tried, or retried by hand, and due), failing (failed at least once, not dead), dead.
+COUNT_BACKLOG = """
+SELECT (SELECT count(*) FROM {table} WHERE {deferred}),
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts = 0 AND due_at <= now()),
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts > 0),
+       (SELECT count(*) FROM {jobs} WHERE dead)
+"""
+
 COUNT_ABANDONED = """
 SELECT count(*) FROM {table}
 WHERE status = 'processing' AND locked_until <= now() - %(margin)s

@@ -1,0 +1,425 @@
+"""OpenTelemetry spans (SPEC §12), read back from the SDK's in-memory exporter.
+
+The tracer provider is process-wide and can be set once: this module sets one for the
+rest of the session (its exporter stops keeping spans when the module ends); what the
+package does without a provider, or without OpenTelemetry, is checked in fresh
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from helpers import create_example_tables, hold_first, post, problem, wait_until
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from tcpproxy import TcpProxy
+
+from flask_idempotency import current_idempotency
+from flask_idempotency.keys import tenant_tag
+
+#: markup, quotes, SQL and Latin-1 letters, as long as a tenant may be (255)
+NASTY_TENANT = ("<img src=x onerror=alert(1)>\"';DROP TABLE t;--\u00e9\u00ff" * 8)[:255]
+TIMEOUT = 1.0
+DB = psycopg.Connection[Any]
+
+
+@pytest.fixture(scope="module")
+def exporter() -> Iterator[InMemorySpanExporter]:
+    provider = TracerProvider()
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    trace.set_tracer_provider(provider)
+    yield memory
+    provider.shutdown()
+
+
+@pytest.fixture
+def spans(exporter: InMemorySpanExporter) -> Callable[[], list[ReadableSpan]]:
+    exporter.clear()
+    return lambda: list(exporter.get_finished_spans())
+
+
+def named(spans: list[ReadableSpan], name: str) -> list[ReadableSpan]:
+    return [s for s in spans if s.name == name]
+
+
+def one(spans: list[ReadableSpan], name: str) -> ReadableSpan:
+    found = named(spans, name)
+    assert len(found) == 1, [s.name for s in spans]
+    return found[0]
+
+
+def child_of(span: ReadableSpan, parent: trace.Span) -> bool:
+    assert span.parent is not None, span.name
+    return span.parent.span_id == parent.get_span_context().span_id
+
+
+def everything_said(span: ReadableSpan) -> str:
+    """Every text a span carries: name, attributes, status, events and their attributes."""
+    parts = [span.name, repr(dict(span.attributes or {})), span.status.description or ""]
+    for event in span.events:
+        parts += [event.name, repr(dict(event.attributes or {}))]
+    return "\n".join(parts)
+
+
+def request_span() -> Any:
+    return trace.get_tracer("tests").start_as_current_span("POST /payments")
+
+
+def test_a_new_key_and_its_replay(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    client = app.test_client()
+    with request_span() as parent:
+        assert post(client, "/payments", key, X_Tenant=NASTY_TENANT).status_code == 201
+    first = spans()
+    claim, finish = one(first, "idempotency.claim"), one(first, "idempotency.finish")
+    assert child_of(claim, parent) and child_of(finish, parent)  # siblings, not nested
+    expected = {"idempotency.key": key, "idempotency.tenant_hash": tenant_tag(NASTY_TENANT)}
+    assert dict(claim.attributes or {}) == {
+        **expected,
+        "idempotency.decision": "claimed",
+        "idempotency.attempt": 1,
+        "idempotency.replayed": False,
+    }
+    assert dict(finish.attributes or {}) == {
+        **expected,
+        "idempotency.decision": "stored",
+        "idempotency.attempt": 1,
+    }
+    assert claim.status.status_code is finish.status.status_code is StatusCode.UNSET
+
+    with request_span() as parent:
+        assert post(client, "/payments", key, X_Tenant=NASTY_TENANT).status_code == 201
+    replay = [s for s in spans() if s not in first]
+    claim = one(replay, "idempotency.claim")
+    assert child_of(claim, parent)
+    assert claim.attributes is not None
+    assert claim.attributes["idempotency.decision"] == "replay"
+    assert claim.attributes["idempotency.replayed"] is True
+    assert named(replay, "idempotency.finish") == []  # a replay finishes nothing
+
+    for span in spans():
+        said = everything_said(span)
+        assert NASTY_TENANT not in said and NASTY_TENANT[:20] not in said
+
+
+def test_the_ending_is_the_finish_decision(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    client = app.test_client()
+    assert post(client, "/release", key).status_code == 400
+    assert post(client, "/boom-unknown", key + "-u").status_code == 500
+    assert problem(post(client, "/boom-unknown", key + "-u"), 409, "outcome-unknown")
+    finishes = named(spans(), "idempotency.finish")
+    decisions = [(s.attributes or {}).get("idempotency.decision") for s in finishes]
+    assert decisions == ["retryable", "unknown"]
+    claims = named(spans(), "idempotency.claim")
+    assert (claims[-1].attributes or {})["idempotency.decision"] == "unknown"
+
+
+def test_a_retry_is_the_second_attempt(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    client = app.test_client()
+    post(client, "/release", key)
+    post(client, "/release", key)
+    claims = named(spans(), "idempotency.claim")
+    assert [(s.attributes or {})["idempotency.attempt"] for s in claims] == [1, 2]
+    assert (claims[1].attributes or {})["idempotency.decision"] == "taken_over"
+
+
+def test_phases_are_children_of_the_request_and_hold_the_block(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    with request_span() as parent:
+        assert post(app.test_client(), "/phased", key).status_code == 201
+    got = spans()
+    phases = named(got, "idempotency.phase")
+    assert [(s.attributes or {}).get("idempotency.phase") for s in phases] == [
+        "created",
+        "charged",
+    ]
+    for span in phases:
+        assert child_of(span, parent)
+        assert (span.attributes or {})["idempotency.decision"] == "committed"
+        assert (span.attributes or {})["idempotency.attempt"] == 1
+        assert (span.attributes or {})["idempotency.key"] == key
+    assert child_of(one(got, "idempotency.finish"), parent)
+
+
+def test_a_phase_makes_its_span_current_for_the_block(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    seen: list[trace.SpanContext] = []
+
+    @app.post("/phase-current")
+    @app.extensions["idempotency"].extension.idempotent
+    def phase_current() -> str:
+        with current_idempotency.phase("one"):
+            seen.append(trace.get_current_span().get_span_context())
+        seen.append(trace.get_current_span().get_span_context())
+        return "ok"
+
+    with request_span() as parent:
+        assert post(app.test_client(), "/phase-current", key).status_code == 200
+    phase = one(spans(), "idempotency.phase")
+    assert seen[0].span_id == phase.context.span_id
+    assert seen[1].span_id == parent.get_span_context().span_id  # and no longer after it
+
+
+def test_a_twin_waits_in_a_wait_span(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    thread, proceed, results = hold_first(app, key, "/wait")
+    answers: dict[str, Any] = {}
+
+    def twin() -> None:
+        with request_span() as parent:
+            answers["parent"] = parent
+            answers["response"] = post(app.test_client(), "/wait", key)
+
+    waiting = threading.Thread(target=twin)
+    waiting.start()
+    try:
+        # the twin's claim found the key in progress: it is waiting now
+        wait_until(lambda: len(named(spans(), "idempotency.claim")) == 2)
+    finally:
+        proceed.set()
+        thread.join(10)
+        waiting.join(10)
+    assert results["first"].status_code == answers["response"].status_code == 201
+    parent = answers["parent"]
+    twin_spans = [s for s in spans() if s.parent and child_of(s, parent)]
+    claim, wait = one(twin_spans, "idempotency.claim"), one(twin_spans, "idempotency.wait")
+    assert (claim.attributes or {})["idempotency.decision"] == "in_progress"
+    assert (wait.attributes or {})["idempotency.decision"] == "replay"
+    assert (wait.attributes or {})["idempotency.replayed"] is True
+    assert wait.start_time is not None and claim.end_time is not None
+    assert wait.start_time >= claim.end_time  # after the claim, not inside it
+
+
+def test_transactional_view(app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]) -> None:
+    client = app.test_client()
+    assert post(client, "/ledger", key, {"amount": 3}).status_code == 201
+    assert post(client, "/ledger", key + "-r", {"amount": 3}, X_Fail="release").status_code == 201
+    finishes = named(spans(), "idempotency.finish")
+    assert [(s.attributes or {})["idempotency.decision"] for s in finishes] == [
+        "stored",
+        "rolled_back",
+    ]
+
+
+def test_run_once_claim_and_finish(
+    app: Flask, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    extension = app.extensions["idempotency"].extension
+    with app.app_context(), request_span() as parent:
+        assert extension.run_once(key, lambda: 7, tenant=NASTY_TENANT) == 7
+        assert extension.run_once(key, lambda: 7, tenant=NASTY_TENANT) == 7
+    got = spans()
+    claims, finish = named(got, "idempotency.claim"), one(got, "idempotency.finish")
+    assert all(child_of(s, parent) for s in [*claims, finish])
+    assert [(s.attributes or {})["idempotency.decision"] for s in [*claims, finish]] == [
+        "claimed",
+        "replay",
+        "completed",
+    ]
+    assert all(NASTY_TENANT[:20] not in everything_said(s) for s in got)
+
+
+# -- the store down ------------------------------------------------------------------------
+
+
+def _unreachable_url() -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=1"
+
+
+def test_the_claim_fails_with_the_store(
+    make_app: Callable[..., Flask], key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    down = make_app(database_url=_unreachable_url(), IDEMPOTENCY_POOL_TIMEOUT=0.5)
+    with request_span() as parent:
+        problem(
+            post(down.test_client(), "/payments", key, X_Tenant=NASTY_TENANT),
+            503,
+            "store-unavailable",
+        )
+    claim = one(spans(), "idempotency.claim")
+    assert child_of(claim, parent)
+    assert claim.status.status_code is StatusCode.ERROR
+    assert claim.status.description == "StoreError: unavailable"
+    assert (claim.attributes or {})["error.type"] == "StoreError"
+    assert NASTY_TENANT[:20] not in everything_said(claim)
+
+
+@pytest.fixture
+def proxy(database_url: str) -> Iterator[TcpProxy]:
+    with TcpProxy.to_database(database_url) as running:
+        yield running
+
+
+def test_the_finish_fails_with_the_store(
+    make_app: Callable[..., Flask],
+    proxy: TcpProxy,
+    database_url: str,
+    key: str,
+    spans: Callable[[], list[ReadableSpan]],
+) -> None:
+    app = make_app(
+        database_url=proxy.url(database_url),
+        IDEMPOTENCY_POOL_TIMEOUT=TIMEOUT,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=TIMEOUT,
+    )
+    thread, proceed, results = hold_first(app, key)
+    proxy.freeze()  # the database goes silent while the view runs
+    try:
+        proceed.set()
+        thread.join(10)
+    finally:
+        proxy.thaw()
+    assert results["first"].status_code == 201  # the client still gets its answer
+    finish = one(spans(), "idempotency.finish")
+    assert finish.status.status_code is StatusCode.ERROR
+    assert finish.status.description == "StoreError: unavailable"
+    assert "idempotency.decision" not in (finish.attributes or {})
+
+
+def test_a_phase_fails_with_the_database(
+    app: Flask, db: DB, key: str, spans: Callable[[], list[ReadableSpan]]
+) -> None:
+    """The store's connections die between the two phases of /phased: the second fails."""
+    thread, proceed, results = hold_first(app, key, "/phased")
+    mine = "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+    others = f"{mine} AND pid <> pg_backend_pid()"
+    db.execute(f"SELECT pg_terminate_backend(pid) FROM ({others}) AS o")
+    wait_until(lambda: db.execute(others).fetchall() == [])
+    proceed.set()
+    thread.join(10)
+    assert results["first"].status_code == 500
+    created, charged = named(spans(), "idempotency.phase")
+    assert created.status.status_code is StatusCode.UNSET
+    assert charged.status.status_code is StatusCode.ERROR
+    # the server said so (AdminShutdown) or the socket was found closed (OperationalError)
+    assert charged.status.description in ("AdminShutdown", "OperationalError")
+    assert "idempotency.decision" not in (charged.attributes or {})
+
+
+# -- without a provider, without OpenTelemetry ----------------------------------------------
+
+CHILD = """
+import sys, uuid
+{block}
+sys.path.insert(0, {tests!r})
+from testapp import create_app
+from helpers import post
+import flask_idempotency.tracing as tracing
+app = create_app({url!r})
+client = app.test_client()
+for i in range(3):
+    assert post(client, "/payments", f"child-{{uuid.uuid4()}}").status_code == 201
+assert tracing.start("t", "k") is tracing.NO_TRACE
+print(sorted(name for name in sys.modules if name.split(".")[0] == "opentelemetry"))
+app.extensions["idempotency"].store.close()
+"""
+
+BLOCK_OTEL = """
+class NoOtel:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "opentelemetry":
+            raise ImportError(f"no module named {name!r} (blocked)")
+sys.meta_path.insert(0, NoOtel())
+"""
+
+
+def run_child(database_url: str, block: str) -> str:
+    tests = str(Path(__file__).parent)
+    code = CHILD.format(block=block, tests=tests, url=database_url)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_without_opentelemetry_nothing_of_it_is_imported(database_url: str) -> None:
+    assert run_child(database_url, BLOCK_OTEL) == "[]"
+
+
+def test_without_a_provider_requests_get_no_spans(database_url: str) -> None:
+    # the API is there and imported, but nothing is configured: every request gets NO_TRACE
+    assert "'opentelemetry.trace'" in run_child(database_url, "")
+
+
+# -- the example ---------------------------------------------------------------------------
+
+EXAMPLE = """
+import sys, uuid
+sys.path.insert(0, {root!r})
+from example.app import create_app
+app = create_app({url!r})
+client = app.test_client()
+headers = {{"X-API-Key": "acct_traced", "Idempotency-Key": "pay-" + uuid.uuid4().hex}}
+response = client.post("/payments", json={{"amount": 1000}}, headers=headers)
+assert response.status_code == 201, response.data
+app.extensions["idempotency"].store.close()
+"""
+
+
+def test_the_example_prints_a_payments_trace_on_the_console(database_url: str, db: DB) -> None:
+    create_example_tables(db)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", EXAMPLE.format(root=root, url=database_url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "OTEL_TRACES_EXPORTER": "console", "EXAMPLE_PROVIDER_LATENCY": "0"},
+    )
+    assert done.returncode == 0, done.stderr
+    decoder, text, printed = json.JSONDecoder(), done.stdout, []
+    position = 0
+    while text[position:].strip():
+        span, position = decoder.raw_decode(text, len(text) - len(text[position:].lstrip()))
+        printed.append(span)
+    by_name = {span["name"]: span for span in printed}
+    request = by_name["POST /payments"]
+    trace_id, request_id = request["context"]["trace_id"], request["context"]["span_id"]
+    ours = [s for s in printed if s["name"].startswith("idempotency.")]
+    assert sorted(s["name"] for s in ours) == [
+        "idempotency.claim",
+        "idempotency.finish",
+        "idempotency.phase",
+        "idempotency.phase",
+    ]
+    for span in ours:
+        assert span["context"]["trace_id"] == trace_id
+        assert span["parent_id"] == request_id
+    assert by_name["idempotency.claim"]["attributes"]["idempotency.tenant_hash"] == tenant_tag(
+        "acct_traced"
+    )
+    assert "acct_traced" not in json.dumps(ours)
