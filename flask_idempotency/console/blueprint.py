@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Blueprint, Response, g, render_template
-from werkzeug.wrappers import Response as BaseResponse
 from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response as BaseResponse
 
 from ..errors import StoreError
 from ..state import get_state
