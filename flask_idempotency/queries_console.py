@@ -97,9 +97,10 @@ JOB_COUNTS = {
 #: statuses a big table has no partial index to count exactly: estimated
 ESTIMATED_ON_BIG_TABLES = frozenset({"completed", "retryable"})
 EXACT_COUNTS = """
-SELECT status, count(*), count(*) FILTER (WHERE status = 'unknown'
-                                          AND reconcile_attempts >= %(max_attempts)s),
-       count(*) FILTER (WHERE status = 'processing' AND locked_until IS NULL)
+SELECT status, count(*) AS keys,
+       count(*) FILTER (WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
+           AS exhausted,
+       count(*) FILTER (WHERE status = 'processing' AND locked_until IS NULL) AS deferred
 FROM {table} GROUP BY status
 """
 

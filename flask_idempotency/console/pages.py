@@ -35,6 +35,12 @@ def register_pages(bp: Blueprint) -> None:
     bp.add_url_rule("/jobs", "jobs", jobs)
     bp.add_url_rule("/jobs/<job_id>", "job", job)
     bp.add_url_rule("/audit", "audit", audit)
+    # any other URL under the prefix is the console's too: its access rules and headers
+    bp.add_url_rule("/<path:rest>", "nowhere", nowhere)
+
+
+def nowhere(rest: str) -> str:
+    abort(404, "No such console page.")
 
 
 def overview() -> str:
