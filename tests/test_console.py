@@ -14,7 +14,6 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from flask.testing import FlaskClient
 from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
@@ -547,10 +546,12 @@ def test_heartbeats_show_and_a_stale_loop_is_marked(console: Console) -> None:
         ("dispatch", 14, {"dispatched": 4}, False),
     ]
     db.execute(
-        "UPDATE console_heartbeats SET finished_at = now() - interval '4 s' WHERE command = 'dispatch'"
+        "UPDATE console_heartbeats SET finished_at = now() - interval '4 s'"
+        " WHERE command = 'dispatch'"
     )
     db.execute(
-        "UPDATE console_heartbeats SET finished_at = now() - interval '59 min' WHERE command = 'clean'"
+        "UPDATE console_heartbeats SET finished_at = now() - interval '59 min'"
+        " WHERE command = 'clean'"
     )
     page = console.get("/").get_data(as_text=True)
     assert re.search(r'<tr class="stale">\s*<td>dispatch', page)
