@@ -18,6 +18,7 @@ from werkzeug.routing import Rule
 
 from .asynchronous import register_status_view
 from .cli import COMMANDS
+from .cli_operators import COMMANDS as OPERATOR_COMMANDS
 from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
@@ -97,7 +98,7 @@ class Idempotency:
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
-        for command in (*COMMANDS, *WORKER_COMMANDS):
+        for command in (*COMMANDS, *WORKER_COMMANDS, *OPERATOR_COMMANDS):
             app.cli.add_command(command)
         register_status_view(app, settings.status_path)
 
