@@ -588,3 +588,30 @@ def test_console_path_setting(database_url: str) -> None:
     Idempotency(app).init_console(app)
     assert app.test_client().get("/ops/").status_code == 403
     assert app.test_client().get(C + "/").status_code == 404
+
+
+def test_init_adds_the_audit_and_heartbeats_tables_to_a_populated_old_table(
+    make_app: Any, db: DB
+) -> None:
+    from test_schema_upgrade import create_old_table, valid_indexes
+
+    table = f"upgrade_{uuid.uuid4().hex[:8]}"
+    create_old_table(db, table)
+    names = {
+        "IDEMPOTENCY_TABLE": table,
+        "IDEMPOTENCY_JOBS_TABLE": f"{table}_jobs",
+        "IDEMPOTENCY_AUDIT_TABLE": f"{table}_audit",
+        "IDEMPOTENCY_HEARTBEATS_TABLE": f"{table}_beats",
+    }
+    try:
+        app = make_app(IDEMPOTENCY_CREATE_TABLE=False, **names)
+        result = app.test_cli_runner().invoke(args=["idempotency-init"])
+        assert result.exit_code == 0, result.output
+        assert "audit and heartbeats tables" in result.output
+        assert f"index {table}_created_idx" in result.output
+        assert f"{table}_created_idx" in valid_indexes(db, table)
+        for name in (f"{table}_audit", f"{table}_beats"):
+            assert db.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone() == (True,)
+        assert db.execute(f"SELECT count(*) FROM {table}").fetchone() == (50_000,)
+    finally:
+        db.execute(f"DROP TABLE IF EXISTS {table}, {table}_jobs, {table}_audit, {table}_beats")
