@@ -110,8 +110,12 @@ FROM {table} GROUP BY status
 # at most %(window)s rows of the created_at index from the cursor; the filters apply to
 # that window, so a rare filter costs a bounded page, never a scan of the table.
 KEYS_PAGE = """
-WITH window_ AS (
-    SELECT tenant, key, created_at FROM {table}
+WITH window_ AS MATERIALIZED (
+    SELECT tenant, left(key, 300) AS key_shown, length(key) AS key_length, key, status,
+           attempt, recovery_point, created_at, updated_at, expires_at, locked_until,
+           reconcile_attempts, response_status,
+           status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted
+    FROM {table}
     WHERE (%(after)s::timestamptz IS NULL OR created_at {cmp}= %(after)s)
       AND (%(after)s::timestamptz IS NULL
            OR (created_at, tenant, key) {cmp} (%(after)s, %(after_tenant)s, %(after_key)s))
@@ -119,17 +123,12 @@ WITH window_ AS (
     ORDER BY created_at {order}, tenant {order}, key {order}
     LIMIT %(window)s
 )
-SELECT k.tenant, left(k.key, 300) AS key_shown, length(k.key) AS key_length, k.key,
-       k.status, k.attempt, k.recovery_point, k.created_at, k.updated_at, k.expires_at,
-       k.locked_until, k.reconcile_attempts, k.response_status,
-       k.reconcile_attempts >= %(max_attempts)s AND k.status = 'unknown' AS exhausted,
-       w.created_at AS cursor_at
-FROM window_ AS w JOIN {table} AS k USING (tenant, key)
-WHERE (%(status)s::text IS NULL OR k.status = %(status)s)
-  AND (%(tenant)s::text IS NULL OR k.tenant = %(tenant)s)
-  AND (%(prefix)s::text IS NULL OR left(k.key, length(%(prefix)s)) = %(prefix)s)
-  AND (NOT %(exhausted)s OR (k.status = 'unknown' AND k.reconcile_attempts >= %(max_attempts)s))
-ORDER BY w.created_at {order}, w.tenant {order}, w.key {order}
+SELECT *, created_at AS cursor_at FROM window_
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(prefix)s::text IS NULL OR left(key, length(%(prefix)s)) = %(prefix)s)
+  AND (NOT %(exhausted)s OR exhausted)
+ORDER BY created_at {order}, tenant {order}, key {order}
 LIMIT %(limit)s
 """
 
