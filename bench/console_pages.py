@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pgserver import PostgresServer  # noqa: E402
 
 from flask_idempotency import Idempotency  # noqa: E402
+from flask_idempotency.operations import Operations  # noqa: E402
 
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
@@ -83,6 +84,22 @@ def seq_read(url: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def wait_for_exits(url: str, timeout: float = 10.0) -> None:
+    """Until the closed pool's backends have exited (and so flushed their statistics)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+                " AND pid <> pg_backend_pid()"
+            ).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the pool's backends did not exit")
+            time.sleep(0.02)
+
+
 def time_pages(app: Flask, url: str, pages: dict[str, str], runs: int) -> dict[str, Any]:
     client = app.test_client()
     results = {}
@@ -102,10 +119,10 @@ def time_pages(app: Flask, url: str, pages: dict[str, str], runs: int) -> dict[s
         # The pool's backends flush their statistics when they exit: close it, so the
         # counts below are this page's (the next page opens a new pool).
         app.extensions["idempotency"].store.close()
-        time.sleep(1.0)  # the backends' exit, and their statistics' flush
-        scans = [a - b for a, b in zip(seq_read(url), scans_before)]
-        log(f"{name:<24} first (new pool) {times[0]:7.1f} ms, median {statistics.median(times):7.1f} ms,"
-            f" max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans reading"
+        wait_for_exits(url)
+        scans = [a - b for a, b in zip(seq_read(url), scans_before, strict=True)]
+        log(f"{name:<24} first (new pool) {times[0]:7.1f} ms,"
+            f" median {statistics.median(times):7.1f} ms, max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans reading"
             f" {scans[1] / runs:,.0f} rows a view  {path[:70]}")  # fmt: skip
     return results
 
@@ -142,6 +159,11 @@ def main() -> None:
                 "jobs": c + "/jobs",
                 "audit": c + "/audit",
             }
+            with app.app_context():
+                figures = Operations(app.extensions["idempotency"].store).overview(10)
+            log("overview: " + ", ".join(
+                f"{name} {'≈' if c.estimated else ''}{c.value:,}" for name, c in figures.items()
+            ))  # fmt: skip
             before = seq_read(server.url)
             time_pages(app, server.url, pages, args.runs)
             after = seq_read(server.url)

@@ -41,6 +41,7 @@ from .queries_console import (
     REARM,
     RESOLVE,
     RETRY_JOBS,
+    UNKNOWN_ONLY,
     WINDOW_END,
 )
 
@@ -228,11 +229,17 @@ class Operations:
         }
         order = sql.SQL("DESC" if where.newest_first else "ASC")
         cmp = sql.SQL("<" if where.newest_first else ">")
-        rows = self._rows(KEYS_PAGE, params, order=order, cmp=cmp)
+        unknown = where.exhausted or where.status is KeyStatus.UNKNOWN
+        parts = {
+            "order": order,
+            "cmp": cmp,
+            "unknown_only": sql.SQL(UNKNOWN_ONLY if unknown else ""),
+        }
+        rows = self._rows(KEYS_PAGE, params, **parts)
         if len(rows) > limit:
             last = rows[limit - 1]
             return KeysPage(rows[:limit], (last["cursor_at"], last["tenant"], last["key"]), False)
-        end = self._rows(WINDOW_END, params, order=order, cmp=cmp)
+        end = self._rows(WINDOW_END, params, **parts)
         if not end:
             return KeysPage(rows, None, False)
         row = end[0]

@@ -108,7 +108,10 @@ FROM {table} GROUP BY status
 
 # A page of keys, newest (or oldest) first, never their bodies. The inner window walks
 # at most %(window)s rows of the created_at index from the cursor; the filters apply to
-# that window, so a rare filter costs a bounded page, never a scan of the table.
+# that window, so a rare filter costs a bounded page, never a scan of the table. Unknown
+# (and exhausted) keys walk their own partial index (unknown_idx, on created_at) instead.
+#: the window of unknown keys only
+UNKNOWN_ONLY = "AND status = 'unknown'"
 KEYS_PAGE = """
 WITH window_ AS MATERIALIZED (
     SELECT tenant, left(key, 300) AS key_shown, length(key) AS key_length, key, status,
@@ -120,6 +123,7 @@ WITH window_ AS MATERIALIZED (
       AND (%(after)s::timestamptz IS NULL
            OR (created_at, tenant, key) {cmp} (%(after)s, %(after_tenant)s, %(after_key)s))
       AND (%(older_than)s::interval IS NULL OR created_at <= now() - %(older_than)s)
+      {unknown_only}
     ORDER BY created_at {order}, tenant {order}, key {order}
     LIMIT %(window)s
 )
@@ -139,6 +143,7 @@ WHERE (%(after)s::timestamptz IS NULL OR created_at {cmp}= %(after)s)
   AND (%(after)s::timestamptz IS NULL
        OR (created_at, tenant, key) {cmp} (%(after)s, %(after_tenant)s, %(after_key)s))
   AND (%(older_than)s::interval IS NULL OR created_at <= now() - %(older_than)s)
+  {unknown_only}
 ORDER BY created_at {order}, tenant {order}, key {order}
 OFFSET %(window)s - 1 LIMIT 1
 """
