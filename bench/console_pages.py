@@ -122,8 +122,9 @@ def time_pages(app: Flask, url: str, pages: dict[str, str], runs: int) -> dict[s
         wait_for_exits(url)
         scans = [a - b for a, b in zip(seq_read(url), scans_before, strict=True)]
         log(f"{name:<24} first (new pool) {times[0]:7.1f} ms,"
-            f" median {statistics.median(times):7.1f} ms, max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans reading"
-            f" {scans[1] / runs:,.0f} rows a view  {path[:70]}")  # fmt: skip
+            f" median {statistics.median(times):7.1f} ms, max {max(times):7.1f} ms;"
+            f" {scans[0] / runs:.0f} seq scans reading {scans[1] / runs:,.0f} rows a view"
+            f"  {path[:70]}")  # fmt: skip
     return results
 
 

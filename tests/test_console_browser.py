@@ -117,8 +117,10 @@ def test_an_operator_resolves_retries_and_discards_in_a_real_browser(
     page = watched.page
     shots = Path(os.environ.get("IDEMPOTENCY_CONSOLE_SHOTS_DIR", "/tmp"))
 
-    # 1. Find the unknown key from the overview and resolve it.
+    # 1. Find the unknown key from the overview (with the loops' heartbeats) and resolve it.
     page.goto(CONSOLE + "/")
+    page.get_by_role("cell", name="dispatch", exact=True).first.wait_for()
+    page.screenshot(path=str(shots / "console-overview.png"), full_page=True)
     page.get_by_role("link", name="list unknown keys").click()
     page.get_by_role("link", name=key).click()
     page.get_by_role("button", name="Resolve as completed").click()
@@ -170,14 +172,11 @@ def test_an_operator_resolves_retries_and_discards_in_a_real_browser(
     assert "discard_job" in row.inner_text() and "ann" in row.inner_text()
     assert not job_left(discard_id) and receipts(discard_id) == 0
 
-    # The overview shows the dispatcher's heartbeat; take its picture.
+    # The overview's script (served by the blueprint, allowed by the CSP) refreshes it.
     page.goto(CONSOLE + "/")
-    page.get_by_role("cell", name="dispatch", exact=True).first.wait_for()
-    # its script (served by the blueprint, allowed by the CSP) refreshes the figures
     with page.expect_response(lambda r: r.request.resource_type == "fetch", timeout=15_000) as got:
         pass
     assert got.value.status == 200
-    page.screenshot(path=str(shots / "console-overview.png"), full_page=True)
     if os.environ.get("IDEMPOTENCY_CONSOLE_SCREENSHOTS") == "1":
         for name in ("console-overview.png", "console-key.png"):
             shutil.copy(shots / name, ROOT / "docs" / name)
