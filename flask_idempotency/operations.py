@@ -8,7 +8,6 @@ writes its audit row in the same statement (:mod:`.queries_console`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import datetime, timedelta
@@ -17,6 +16,7 @@ from typing import Any
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from .filters import Count, JobFilter, KeyFilter, KeysPage, pg_text, storable
 from .model import KeyStatus, StoredResponse
 from .pool import bounded
 from .postgres import PostgresStore, response_params
@@ -52,56 +52,7 @@ PAGE_WINDOW = 5_000
 #: rows one bulk statement changes (a bulk action runs as many as it needs)
 BULK_BATCH = 500
 
-
-@dataclasses.dataclass(frozen=True)
-class Count:
-    """One figure of the overview: exact, or the planner's estimate."""
-
-    value: int
-    estimated: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyFilter:
-    """The keys list's filters (also what "Re-arm all" acts on)."""
-
-    status: KeyStatus | None = None
-    tenant: str | None = None
-    prefix: str | None = None
-    exhausted: bool = False
-    older_than: timedelta | None = None
-    newest_first: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class KeysPage:
-    """A page of keys, and where the next one starts (None: the end)."""
-
-    rows: list[dict[str, Any]]
-    #: (created_at, tenant, key) of the last row walked
-    next_cursor: tuple[datetime, str, str] | None
-    #: True when the page walked its whole window without filling up
-    window_exhausted: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class JobFilter:
-    """Which failing or dead jobs: by id, by name (a name no dispatcher knows is failing
-    forever, never dead), of a kind (``dead``, ``failing`` or ``any``)."""
-
-    id: str | None = None
-    name: str | None = None
-    kind: str = "any"
-
-
-def pg_text(value: str) -> str:
-    """*value* as PostgreSQL text can hold it (NUL and lone surrogates escaped)."""
-    return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
-
-
-def storable(value: str) -> bool:
-    """True if PostgreSQL text can hold *value* as it is (no NUL, no lone surrogate)."""
-    return "\x00" not in value and pg_text(value) == value
+__all__ = ["Count", "JobFilter", "KeyFilter", "KeysPage", "Operations", "pg_text", "storable"]
 
 
 class Operations:

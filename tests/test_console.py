@@ -615,3 +615,14 @@ def test_init_adds_the_audit_and_heartbeats_tables_to_a_populated_old_table(
         assert db.execute(f"SELECT count(*) FROM {table}").fetchone() == (50_000,)
     finally:
         db.execute(f"DROP TABLE IF EXISTS {table}, {table}_jobs, {table}_audit, {table}_beats")
+
+
+def test_actor_and_reason_that_text_cannot_hold_are_kept_escaped(console: Console) -> None:
+    db = console.db
+    add_key(db, "esc-1")
+    with console.app.app_context():
+        ops = Operations(console.app.extensions["idempotency"].store)
+        assert ops.forget("t", "esc-1", actor="a\x00\ud800", reason="r\ud800\x00")
+        assert not ops.forget("t", "esc-1", actor="a", reason=None)  # gone already
+    assert audit_rows(db)[0][0] == "a\\x00\\ud800"
+    assert audit_rows(db)[0][7] == "r\\ud800\\x00"
