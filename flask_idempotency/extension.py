@@ -120,7 +120,7 @@ class Idempotency:
                 " app's SECRET_KEY before init_console(app)."
             )
         prefix = url_prefix if url_prefix is not None else get_state(app).settings.console_path
-        app.register_blueprint(make_blueprint(), url_prefix=prefix)
+        app.register_blueprint(make_blueprint(prefix), url_prefix=prefix)
 
     def console_access(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Register ``fn()``, which says what the current request may do in the console:

@@ -230,13 +230,17 @@ def test_the_token_works_under_flask_wtf_csrfprotect(database_url: str, db: DB) 
 
 
 def test_every_response_carries_the_security_headers(console: Console) -> None:
-    for path in (*PAGES, "/nowhere", "/key?tenant=t&key=missing"):
-        response = console.get(path)
+    responses = [console.get(path) for path in (*PAGES, "/nowhere", "/key?tenant=t&key=missing")]
+    responses.append(console.client.post(C + "/"))  # 405, from the router
+    responses.append(console.client.get(C))  # the prefix without its slash
+    for response in responses:
+        path = response.request.path
         csp = response.headers.get("Content-Security-Policy", "")
         assert "script-src 'self'" in csp and "unsafe-inline" not in csp, path
         assert "frame-ancestors 'none'" in csp
         assert response.headers["X-Frame-Options"] == "DENY"
         assert response.headers["Cache-Control"] == "no-store"
+    assert console.client.get("/elsewhere").headers.get("X-Frame-Options") is None
 
 
 def test_no_inline_script_or_style_and_no_other_origin_in_any_page(console: Console) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response, g, render_template
+from flask import Blueprint, Response, g, render_template, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response as BaseResponse
 
@@ -19,8 +19,8 @@ from .security import CSRF_FIELD, check_access, csrf_token, current_access, secu
 BLUEPRINT_NAME = "idempotency_console"
 
 
-def make_blueprint() -> Blueprint:
-    """A new console blueprint (register it once per app)."""
+def make_blueprint(prefix: str) -> Blueprint:
+    """A new console blueprint, to be registered once at *prefix*."""
     bp = Blueprint(
         BLUEPRINT_NAME,
         __name__,
@@ -34,7 +34,12 @@ def make_blueprint() -> Blueprint:
         fn = get_state().extension.console_access_check
         g._idempotency_console_access = check_access(fn)
 
-    bp.after_request(secure)
+    @bp.after_app_request
+    def headers(response: BaseResponse) -> BaseResponse:
+        # every answer under the prefix, a 404 or 405 of the router included
+        if request.path == prefix or request.path.startswith(prefix + "/"):
+            return secure(response)
+        return response
 
     @bp.errorhandler(HTTPException)
     def error_page(error: HTTPException) -> BaseResponse:
