@@ -630,3 +630,21 @@ def test_actor_and_reason_that_text_cannot_hold_are_kept_escaped(console: Consol
         assert not ops.forget("t", "esc-1", actor="a", reason=None)  # gone already
     assert audit_rows(db)[0][0] == "a\\x00\\ud800"
     assert audit_rows(db)[0][7] == "r\\ud800\\x00"
+
+
+def test_jobs_pages_oldest_first(console: Console) -> None:
+    db = console.db
+    ids = [add_job(db, f"job-{i:02}") for i in range(55)]
+    for i, job_id in enumerate(ids):
+        db.execute(
+            "UPDATE console_jobs SET created_at = now() - %s * interval '1 s' WHERE id = %s",
+            (100 - i, job_id),
+        )
+    first = console.get("/jobs", kind="dead").get_data(as_text=True)
+    assert re.findall(r"<td>(job-\d\d)</td>", first) == [f"job-{i:02}" for i in range(50)]
+    link = html.unescape(re.search(r'href="([^"]+)">Next page', first).group(1))  # type: ignore[union-attr]
+    second = console.client.get(link).get_data(as_text=True)
+    assert re.findall(r"<td>(job-\d\d)</td>", second) == [f"job-{i:02}" for i in range(50, 55)]
+    assert "Next page" not in second
+    assert console.get("/jobs", after="2026-01-01T00:00:00_nope").status_code == 400
+    assert console.get("/jobs", after="\x00").status_code == 400

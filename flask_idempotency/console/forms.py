@@ -20,7 +20,9 @@ from ..operations import JobFilter, KeyFilter, storable
 
 __all__ = [
     "decode_cursor",
+    "decode_job_cursor",
     "encode_cursor",
+    "encode_job_cursor",
     "filter_args",
     "job_filter",
     "job_id",
@@ -105,6 +107,27 @@ def decode_cursor(token: str | None) -> tuple[datetime, str, str] | None:
     except (ValueError, TypeError):
         abort(400, "The page cursor is not readable; start from the first page.")
     if not (storable(cursor[1]) and storable(cursor[2])):
+        abort(400, "The page cursor is not readable; start from the first page.")
+    return cursor
+
+
+def encode_job_cursor(cursor: tuple[datetime, str] | None) -> str | None:
+    """A jobs page's cursor (the last job's creation time and id) as one token."""
+    if cursor is None:
+        return None
+    return f"{cursor[0].isoformat()}_{cursor[1]}"
+
+
+def decode_job_cursor(token: str | None) -> tuple[datetime, str] | None:
+    """The cursor of :func:`encode_job_cursor`; 400 if it is not one."""
+    if not token:
+        return None
+    at, _, last = token.rpartition("_")
+    try:
+        cursor = (datetime.fromisoformat(at), last)
+    except ValueError:
+        abort(400, "The page cursor is not readable; start from the first page.")
+    if not _UUID.match(last):
         abort(400, "The page cursor is not readable; start from the first page.")
     return cursor
 

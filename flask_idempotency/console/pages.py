@@ -108,11 +108,15 @@ def _preview(body: Any) -> str | None:
 
 def jobs() -> str:
     dead, which = forms.job_filter(request.args)
-    rows = operations().jobs_page(dead=dead, name=which.name, limit=PAGE_SIZE + 1)
+    after = forms.decode_job_cursor(request.args.get("after"))
+    rows = operations().jobs_page(dead=dead, name=which.name, after=after, limit=PAGE_SIZE + 1)
+    more = len(rows) > PAGE_SIZE
+    rows = rows[:PAGE_SIZE]
+    last = (rows[-1]["created_at"], rows[-1]["id"]) if more else None
     return render_template(
         "idempotency_console/jobs.html",
-        rows=rows[:PAGE_SIZE],
-        more=len(rows) > PAGE_SIZE,
+        rows=rows,
+        next_token=forms.encode_job_cursor(last),
         dead=dead,
         name=which.name or "",
     )
