@@ -122,11 +122,30 @@ def test_background_commands_write_heartbeats(ops_console: Console) -> None:
     db.execute("UPDATE console_jobs SET due_at = now()")
     code, out = run(ops_console, "idempotency-dispatch")
     assert code == 0, out
+    ops_console.idempotency.reconciler(lambda key: None)
+    add_key(db, "due", "unknown")
+    assert run(ops_console, "idempotency-reconcile")[0] == 0
+    assert run(ops_console, "idempotency-complete")[0] == 0
     beats = db.execute(
         "SELECT command, pid > 0, interval_seconds, counts FROM console_heartbeats ORDER BY command"
     ).fetchall()
     assert beats == [
         ("clean", True, None, {"deleted": 0, "marked": 0}),
+        ("complete", True, None, {"keys": 0}),
         ("dispatch", True, None, {"dispatched": 1, "failed": 0, "unknown": 0}),
+        ("reconcile", True, None, {"keys": 1, "undecided": 1}),
     ]
     assert status_of(db, "nothing") is None
+
+
+def test_a_heartbeat_that_cannot_be_written_does_not_stop_the_command(
+    ops_console: Console, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = ops_console.db
+    db.execute("ALTER TABLE console_heartbeats RENAME TO console_heartbeats_away")
+    try:
+        code, out = run(ops_console, "idempotency-clean")
+    finally:
+        db.execute("ALTER TABLE console_heartbeats_away RENAME TO console_heartbeats")
+    assert code == 0 and "deleted 0 expired keys" in out
+    assert "clean: could not record its heartbeat" in caplog.text
