@@ -2,9 +2,9 @@
 ``python -m bench.created_index [--keys N] [--rounds R] [--preload M]``.
 
 A throwaway PostgreSQL (durable: fsync, full-page writes), a keys table preloaded with M
-keys, then rounds of N new keys (claim + finish through the extension's store, one at a time), alternating
-with and without ``<table>_created_idx``. Per new key: the wall time and the WAL bytes
-written (``pg_current_wal_lsn()``), the medians of the rounds.
+keys, then rounds of N new keys (claim + finish through the extension's store, one at a
+time), alternating with and without ``<table>_created_idx``. Per new key: the wall time and
+the WAL bytes written (``pg_current_wal_insert_lsn()``), the medians of the rounds.
 """
 
 from __future__ import annotations
