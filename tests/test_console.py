@@ -648,3 +648,22 @@ def test_jobs_pages_oldest_first(console: Console) -> None:
     assert "Next page" not in second
     assert console.get("/jobs", after="2026-01-01T00:00:00_nope").status_code == 400
     assert console.get("/jobs", after="\x00").status_code == 400
+
+
+def test_a_store_outage_is_a_503_page_not_a_traceback() -> None:
+    from pgserver import free_port
+
+    made = make_console(
+        f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere",
+        IDEMPOTENCY_POOL_TIMEOUT=0.5,
+        IDEMPOTENCY_POOL_RECONNECT_TIMEOUT=0.5,
+    )
+    try:
+        for path in ("/", "/keys", "/jobs", "/audit"):
+            response = made.get(path)
+            assert response.status_code == 503, path
+            text = response.get_data(as_text=True)
+            assert "The idempotency store failed" in text and "Traceback" not in text
+            assert response.headers["X-Frame-Options"] == "DENY"
+    finally:
+        made.app.extensions["idempotency"].store.close()
