@@ -667,3 +667,32 @@ def test_a_store_outage_is_a_503_page_not_a_traceback() -> None:
             assert response.headers["X-Frame-Options"] == "DENY"
     finally:
         made.app.extensions["idempotency"].store.close()
+
+
+def test_a_silent_database_costs_a_console_page_a_bounded_wait(database_url: str, db: DB) -> None:
+    import time
+
+    from tcpproxy import TcpProxy
+
+    with TcpProxy.to_database(database_url) as proxy:
+        made = make_console(
+            proxy.url(database_url),
+            IDEMPOTENCY_POOL_TIMEOUT=1.0,
+            IDEMPOTENCY_STATEMENT_TIMEOUT=1.0,
+            IDEMPOTENCY_POOL_MIN_SIZE=1,
+            IDEMPOTENCY_POOL_MAX_SIZE=1,
+        )
+        try:
+            assert made.get("/").status_code == 200  # the pool's connection is open
+            proxy.freeze()
+            try:
+                for path in ("/", "/keys", "/audit"):
+                    started = time.monotonic()
+                    response = made.get(path)
+                    took = time.monotonic() - started
+                    assert response.status_code == 503, path
+                    assert took < 1.0 + 1.0 + 1.0, (path, took)  # a connection, a statement
+            finally:
+                proxy.thaw()
+        finally:
+            made.app.extensions["idempotency"].store.close()
