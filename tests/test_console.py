@@ -696,3 +696,15 @@ def test_a_silent_database_costs_a_console_page_a_bounded_wait(database_url: str
                 proxy.thaw()
         finally:
             made.app.extensions["idempotency"].store.close()
+
+
+def test_every_overview_figure_can_be_estimated(console: Console) -> None:
+    from flask_idempotency.queries_console import JOB_COUNTS, KEY_COUNTS
+
+    add_key(console.db, "e", "unknown", looks=10)
+    with console.app.app_context():
+        ops = Operations(console.app.extensions["idempotency"].store)
+        params = {"max_attempts": 10, "cap": 2}
+        for source in (*KEY_COUNTS.values(), *JOB_COUNTS.values()):
+            count = ops._estimate(source, params)
+            assert count.estimated and count.value >= 0, source
