@@ -374,6 +374,8 @@ def test_a_bad_resolve_form_is_400_and_changes_nothing(console: Console) -> None
         {"status": "200", "headers": "no colon here"},
         {"status": "200", "headers": "X-A: b\x00c"},
         {"status": "200", "headers": "Bad Name: x"},
+        {"status": "200", "headers": "Set-Cookie: session=stolen"},
+        {"status": "200", "headers": "Content-Length: 5"},
     ):
         answer = console.post(
             "/key/act", action="resolve_completed", tenant="t", key="u-2", **fields

@@ -124,7 +124,7 @@ def act_key() -> Response:
             ttl=get_state().settings.route.ttl,
             actor=actor,
             reason=why,
-            response=forms.response(request.form) if completed else None,
+            response=forms.response(request.form, _unstored()) if completed else None,
         )
     elif action == "forget":
         done = ops.forget(tenant, key, actor=actor, reason=why)
@@ -136,6 +136,10 @@ def act_key() -> Response:
     if action == "forget":
         return redirect(url_for(".audit", tenant=tenant, key=key), 303)
     return redirect(url_for(".key", tenant=tenant, key=key), 303)
+
+
+def _unstored() -> frozenset[str]:
+    return get_state().settings.route.unstored_headers
 
 
 # -- exhausted keys in bulk --------------------------------------------------------------
