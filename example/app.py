@@ -9,7 +9,10 @@ Without ``DATABASE_URL`` it starts an embedded PostgreSQL in ``example/.pgdata``
 - ``POST /v1/charges`` (form-encoded, Stripe's shape), so Stripe's own SDK can be the client;
 - ``POST /provider/webhooks``: the fake provider's webhook (``charge.succeeded``), which
   resolves an ``unknown`` payment key with ``idempotency.resolve``;
-- the tenant is the API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``.
+- the tenant is the API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``;
+- the operator's console at ``/idempotency/console``, behind HTTP Basic authentication
+  whose password is ``EXAMPLE_OPERATOR_KEY`` (any user name: the audit records it);
+  without that variable the console answers 403 to everyone.
 
 ``POST /payments`` has ``complete=True``: ``flask --app example.app:create_app
 idempotency-complete`` finishes payments whose clients gave up, and ``idempotency-reconcile``
@@ -27,10 +30,11 @@ import time
 import uuid
 from typing import Any
 
-from flask import Flask, abort, g, request
+from flask import Flask, abort, current_app, g, request
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
-from werkzeug.exceptions import HTTPException
+from werkzeug.datastructures import WWWAuthenticate
+from werkzeug.exceptions import HTTPException, Unauthorized
 
 from example.jobs import use_jobs
 from example.provider import SCHEMA as PROVIDER_SCHEMA
@@ -74,13 +78,39 @@ def tenant() -> str:
     return str(g.account)
 
 
+@idempotency.console_access
+def operator() -> tuple[str, str] | None:
+    """The console: HTTP Basic, the password is the operator key (the browser asks for
+    it); ``EXAMPLE_VIEWER_KEY`` opens it read-only. The user name is the audit's actor."""
+    keys = {"all": current_app.config.get("EXAMPLE_OPERATOR_KEY")}
+    keys["read_only"] = current_app.config.get("EXAMPLE_VIEWER_KEY")
+    if not any(keys.values()):
+        return None  # no operator key set: the console stays closed
+    auth = request.authorization
+    sent = (auth.password or "") if auth is not None and auth.type == "basic" else ""
+    for level, expected in keys.items():
+        if expected and sent and hmac.compare_digest(sent.encode(), expected.encode()):
+            return level, (auth.username if auth and auth.username else "operator")
+    raise Unauthorized(
+        "The console needs the operator key.",
+        www_authenticate=WWWAuthenticate("basic", {"realm": "idempotency console"}),
+    )
+
+
 def create_app(database_url: str | None = None, **config: Any) -> Flask:
     app = Flask(__name__)
     url = database_url or os.environ.get("DATABASE_URL") or start_embedded_postgres()
-    app.config.from_mapping(IDEMPOTENCY_DATABASE_URL=url)
+    app.config.from_mapping(
+        IDEMPOTENCY_DATABASE_URL=url,
+        EXAMPLE_OPERATOR_KEY=os.environ.get("EXAMPLE_OPERATOR_KEY"),
+        EXAMPLE_VIEWER_KEY=os.environ.get("EXAMPLE_VIEWER_KEY"),
+        # the console's CSRF token lives in the session; every worker needs the same key
+        SECRET_KEY=os.environ.get("EXAMPLE_SECRET_KEY", "example-only-set-EXAMPLE_SECRET_KEY"),
+    )
     app.config.from_prefixed_env()  # e.g. FLASK_IDEMPOTENCY_LEASE=30
     app.config.update(config)
     idempotency.init_app(app)
+    idempotency.init_console(app)  # /idempotency/console
     use_jobs(app, idempotency)
     use_tracing(app)  # OTEL_TRACES_EXPORTER=console: spans on stdout
     # The app's own pool, opened lazily in each worker (after the fork) like the extension's.
@@ -107,6 +137,8 @@ def create_app(database_url: str | None = None, **config: Any) -> Flask:
     @app.before_request
     def authenticate() -> None:
         rerun = completing()
+        if request.blueprint == "idempotency_console":
+            return  # the console has its own access rule (operator() above)
         if rerun is not None:
             # flask idempotency-complete runs a stored payment without its client, and
             # without its API key (never stored): the account is the key's tenant.

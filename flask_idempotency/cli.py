@@ -15,7 +15,9 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from . import signals
+from .cli_operators import operations, who
 from .errors import ConfigError, StoreError
+from .heartbeats import record_batch
 from .maintenance import Maintenance
 from .model import KeyStatus, StoredResponse
 from .pool import probe
@@ -119,6 +121,7 @@ def clean_command(batch_size: int, margin: float, dry_run: bool) -> None:
         f"deleted {deleted} expired keys; marked {marked} abandoned claims {abandoned_status.value}"
     )
     current_app.logger.info("idempotency-clean deleted=%d marked=%d", deleted, marked)
+    record_batch("clean", None, {"deleted": deleted, "marked": marked})
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
 
@@ -281,6 +284,7 @@ def show_command(key: str, tenant: str) -> None:
     multiple=True,
     help="Response header 'Name: value' to replay; repeatable.",
 )
+@who
 @with_appcontext
 def resolve_command(
     key: str,
@@ -289,8 +293,10 @@ def resolve_command(
     status_code: int | None,
     body: str,
     headers: tuple[str, ...],
+    actor: str,
+    reason: str | None,
 ) -> None:
-    maintenance = _maintenance()
+    ops = operations()
     response = None
     if outcome == "completed":
         if status_code is None:
@@ -305,8 +311,14 @@ def resolve_command(
     elif status_code is not None or body or headers:
         raise click.UsageError("--status, --body and --header go with --as completed")
     try:
-        done = maintenance.resolve(
-            tenant, key, KeyStatus(outcome), ttl=get_state().settings.route.ttl, response=response
+        done = ops.resolve(
+            tenant,
+            key,
+            KeyStatus(outcome),
+            ttl=get_state().settings.route.ttl,
+            actor=actor,
+            reason=reason,
+            response=response,
         )
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc

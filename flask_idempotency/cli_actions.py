@@ -1,7 +1,7 @@
 """The operators' hand-made changes: ``flask idempotency-forget`` (SPEC §11).
 
-Each takes ``--actor`` (default: the operating-system user) and ``--reason`` and logs
-them with the change; the audit table that will record them is not built yet.
+Each takes ``--actor`` (default: the operating-system user) and ``--reason``; the change
+and its audit row (``IDEMPOTENCY_AUDIT_TABLE``) are one statement.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import click
 from flask.cli import with_appcontext
 
 from .cli import maintenance
+from .cli_operators import operations
 from .errors import IdempotencyError, InvalidKey, StoreError
 from .keys import check_tenant, parse_key, tenant_tag
 
@@ -76,21 +77,22 @@ def _os_user() -> str:
 @click.option(
     "--actor",
     callback=_text_option(MAX_ACTOR_LENGTH),
-    help="Who forgets it, for the log (default: the operating-system user).",
+    help="Who forgets it, for the audit row (default: the operating-system user).",
 )
 @click.option(
-    "--reason", default="", callback=_text_option(MAX_REASON_LENGTH), help="Why, for the log."
+    "--reason", default="", callback=_text_option(MAX_REASON_LENGTH), help="Why, for the audit row."
 )
 @with_appcontext
 def forget_command(key: str, tenant: str, actor: str, reason: str) -> None:
-    operators = maintenance()
     try:
-        before, forgotten = operators.forget(tenant, key)
+        forgotten = operations().forget(tenant, key, actor=actor, reason=reason or None)
+        row = None if forgotten else maintenance().get_key(tenant, key)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
-    if before is None:
-        raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
     if not forgotten:
+        if row is None:
+            raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
+        before = row["status"]
         raise click.ClickException(
             f"key {key!r} is {before}: only a completed or retryable key can be forgotten"
             + (
@@ -100,14 +102,13 @@ def forget_command(key: str, tenant: str, actor: str, reason: str) -> None:
             )
         )
     logger.warning(
-        "action=forget tenant=%s key=%r status_before=%s actor=%r reason=%r",
+        "action=forget tenant=%s key=%r actor=%r reason=%r",
         tenant_tag(tenant),
         key,
-        before,
         actor,
         reason,
     )
-    click.echo(f"key {key!r} forgotten (it was {before}); it can be used afresh")
+    click.echo(f"key {key!r} forgotten; it can be used afresh (audited as {actor!r})")
 
 
 #: the hand-made changes ``init_app`` registers on ``app.cli``

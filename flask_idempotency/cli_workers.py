@@ -21,6 +21,7 @@ from .cli import cli_state
 from .completer import Completer, summary
 from .dispatch import Dispatcher
 from .errors import StoreError
+from .heartbeats import record_batch
 from .loop import run_every
 from .reconciler import Reconciliation
 
@@ -88,6 +89,7 @@ def complete_command(
             line = summary(reports)
             click.echo(f"idempotency-complete: {line}")
             logger.info("idempotency-complete batch: %s", line)
+            record_batch("complete", interval, {"keys": len(reports)})
             fresh = {(r.tenant, r.key) for r in reports} - seen
             seen |= fresh
             if interval is not None or len(reports) < limit or not fresh:
@@ -135,6 +137,7 @@ def reconcile_command(limit: int, interval: float | None) -> None:
             )
             click.echo(f"idempotency-reconcile: {line}")
             logger.info("idempotency-reconcile batch: %s", line)
+            record_batch("reconcile", interval, {"keys": len(looks), **counts})
             fresh = {(look.key.tenant, look.key.key) for look in looks} - seen
             seen |= fresh
             if interval is not None or len(looks) < limit or not fresh:
@@ -190,6 +193,15 @@ def dispatch_command(limit: int, interval: float | None) -> None:
                 report.dispatched,
                 report.failed,
                 report.unknown,
+            )
+            record_batch(
+                "dispatch",
+                interval,
+                {
+                    "dispatched": report.dispatched,
+                    "failed": report.failed,
+                    "unknown": report.unknown,
+                },
             )
             if interval is not None or report.dispatched + len(report.undispatched) < limit:
                 return

@@ -316,6 +316,10 @@ class Settings:
     table: str = option("idempotency_keys", _str)
     #: where staged jobs wait for a dispatcher (SPEC §10)
     jobs_table: str = option("idempotency_jobs", _str)
+    #: every hand-made change, one row each (SPEC §11); never cleaned
+    audit_table: str = option("idempotency_audit", _str)
+    #: the background commands' last batch, one row per command and host (SPEC §11)
+    heartbeats_table: str = option("idempotency_heartbeats", _str)
     create_table: bool = option(True, _bool)
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour
@@ -324,6 +328,8 @@ class Settings:
     reconcile_max_attempts: int = option(10, _int_at_least(1))
     #: where the extension answers the Location of an asynchronous key (``<path>/<key>``)
     status_path: str = option("/idempotency/keys", _url_path)
+    #: where ``idempotency.init_console(app)`` mounts the operator's console
+    console_path: str = option("/idempotency/console", _url_path)
     #: ``flask idempotency-complete`` takes keys untouched for this long (``--older-than``)
     complete_after: float = option(300, _seconds)
     #: encrypts stored bodies and headers at rest (see :mod:`.sealing`); None: plain
@@ -402,7 +408,7 @@ def _check_together(settings: Settings, pool_given: bool) -> None:
             f"{config_key('pool_max_size')} ({settings.pool_max_size}) is below"
             f" {config_key('pool_min_size')} ({settings.pool_min_size})."
         )
-    for name in ("table", "jobs_table"):
+    for name in ("table", "jobs_table", "audit_table", "heartbeats_table"):
         value = getattr(settings, name)
         parts = value.split(".")
         if not 1 <= len(parts) <= 2 or "" in parts:

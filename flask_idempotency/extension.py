@@ -21,6 +21,7 @@ from . import tracing
 from .asynchronous import register_status_view
 from .cli import COMMANDS
 from .cli_actions import COMMANDS as ACTION_COMMANDS
+from .cli_operators import COMMANDS as OPERATOR_COMMANDS
 from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
@@ -74,6 +75,8 @@ class Idempotency:
         #: the apps this extension is initialised on, whose routes ``idempotent()``
         #: checks when it wraps a view (decorators in the wrong order)
         self._apps: weakref.WeakSet[Flask] = weakref.WeakSet()
+        #: who may use the console (see :meth:`console_access`); None: nobody
+        self.console_access_check: Callable[[], Any] | None = None
         if app is not None:
             self.init_app(app, pool=pool)
 
@@ -113,9 +116,40 @@ class Idempotency:
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
-        for command in (*COMMANDS, *ACTION_COMMANDS, *WORKER_COMMANDS):
+        for command in (*COMMANDS, *ACTION_COMMANDS, *WORKER_COMMANDS, *OPERATOR_COMMANDS):
             app.cli.add_command(command)
         register_status_view(app, settings.status_path)
+
+    def init_console(self, app: Flask, url_prefix: str | None = None) -> None:
+        """Mount the operator's console on *app* (after :meth:`init_app`), at
+        *url_prefix* (default ``IDEMPOTENCY_CONSOLE_PATH``, ``/idempotency/console``).
+
+        Every console URL answers 403 until a function is registered with
+        :meth:`console_access`. Its forms carry a CSRF token kept in the session, so
+        the app needs a ``SECRET_KEY``.
+
+        :raises ConfigError: the app has no ``SECRET_KEY``.
+        """
+        from .console import make_blueprint
+
+        if not app.secret_key:
+            raise ConfigError(
+                "the idempotency console keeps its CSRF token in the session: set the"
+                " app's SECRET_KEY before init_console(app)."
+            )
+        prefix = url_prefix if url_prefix is not None else get_state(app).settings.console_path
+        app.register_blueprint(make_blueprint(prefix), url_prefix=prefix)
+
+    def console_access(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Register ``fn()``, which says what the current request may do in the console:
+        ``None`` (nothing: 403), ``"read_only"`` (every page, no action: a POST is 403),
+        ``"all"``, or ``(level, actor)`` where *actor* is the name the audit records
+        (else ``"console"``). It runs in the request (``request``, ``session``,
+        ``flask_login.current_user``...); it may also raise an HTTP error itself (a 401
+        with ``WWW-Authenticate``). Without it, every console URL answers 403.
+        """
+        self.console_access_check = fn
+        return fn
 
     def tenant_loader(self, loader: Callable[[], str]) -> Callable[[], str]:
         """Register the function that names the tenant of the current request.

@@ -22,7 +22,6 @@ from .queries import (
     COUNT_EXPIRED,
     COUNT_STUCK,
     DELETE_EXPIRED,
-    FORGET_KEY,
     LIST_JOBS,
     LIST_KEYS,
     MARK_ABANDONED,
@@ -121,18 +120,6 @@ class Maintenance:
             "looks": looks,
         }
         return self._rowcount(RESOLVE_KEY, params) == 1
-
-    def forget(self, tenant: str, key: str) -> tuple[str | None, bool]:
-        """Delete a ``completed`` or ``retryable`` key so that it can be used afresh.
-
-        :returns: the status the key had (None: no such key) and whether it was deleted
-            (a ``processing`` or ``unknown`` key is not).
-        """
-        with self.store.connection() as conn:
-            params = {"tenant": tenant, "key": key}
-            row = conn.execute(self.store.render(FORGET_KEY), params, prepare=False).fetchone()
-        assert row is not None
-        return row[0], bool(row[1])
 
     def list_jobs(self, *, dead: bool, limit: int) -> list[dict[str, Any]]:
         """Dead staged jobs (``dead=True``), or the failing ones: not dead, and whose

@@ -77,7 +77,9 @@ class PostgresStore:
         self._prepare: bool | None = None if settings.prepared_statements else False
         self._lock = threading.Lock()
         #: the table's schema objects (create, check, upgrade)
-        self.schema = Schema(settings.table, settings.jobs_table)
+        self.schema = Schema(
+            settings.table, settings.jobs_table, settings.audit_table, settings.heartbeats_table
+        )
         self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = self.schema.channel

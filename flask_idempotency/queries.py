@@ -63,6 +63,8 @@ INDEXES = {
     "unknown_idx": "{table} (created_at) WHERE status = 'unknown'",
     # the completer's due keys: only claims of complete=True routes not completed yet
     "complete_idx": "{table} (updated_at) WHERE request IS NOT NULL",
+    # the console's keys list, newest or oldest first, a page at a time (SPEC §11)
+    "created_idx": "{table} (created_at)",
 }
 
 CREATE_INDEX = "CREATE INDEX IF NOT EXISTS {name} ON "
@@ -262,19 +264,6 @@ SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locke
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
   AND (%(looks)s::integer IS NULL
        OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
-"""
-
-# An operator forgets a finished key (completed or retryable) so that it can be used
-# afresh; a key in flight (processing) or waiting for reconciliation (unknown) stays.
-# The outer SELECT reads the snapshot before the DELETE: the status the key had.
-FORGET_KEY = """
-WITH gone AS (
-    DELETE FROM {table}
-    WHERE tenant = %(tenant)s AND key = %(key)s AND status IN ('completed', 'retryable')
-    RETURNING status
-)
-SELECT (SELECT status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s),
-       EXISTS (SELECT FROM gone)
 """
 
 COUNT_STUCK = """

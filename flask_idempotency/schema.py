@@ -35,6 +35,7 @@ from .queries import (
     TABLE,
     UPGRADE_COLUMNS,
 )
+from .queries_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -73,7 +74,13 @@ class Step:
 class Schema:
     """The schema objects of the table named *table* (``name`` or ``schema.name``)."""
 
-    def __init__(self, table: str, jobs_table: str = "idempotency_jobs") -> None:
+    def __init__(
+        self,
+        table: str,
+        jobs_table: str = "idempotency_jobs",
+        audit_table: str = "idempotency_audit",
+        heartbeats_table: str = "idempotency_heartbeats",
+    ) -> None:
         self.name = table
         parts = table.split(".")
         #: the table, quoted as needed
@@ -87,11 +94,20 @@ class Schema:
         self.jobs = sql.Identifier(*jobs_parts)
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
         jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""
+        audit_parts, heartbeats_parts = audit_table.split("."), heartbeats_table.split(".")
+        #: the audit trail and the heartbeats of the background commands (SPEC §11)
+        self.audit = sql.Identifier(*audit_parts)
+        self.heartbeats = sql.Identifier(*heartbeats_parts)
+        self._audit_index = f"{audit_parts[-1]}_key_idx"
+        audit_prefix = _quoted(audit_parts[0]) + "." if len(audit_parts) == 2 else ""
         # to_regclass() parses its argument as SQL would: every part quoted
         self._regclass = {
             "table": ".".join(map(_quoted, parts)),
             "jobs": ".".join(map(_quoted, jobs_parts)),
             "jobs_index": jobs_prefix + _quoted(self._jobs_index),
+            "audit": ".".join(map(_quoted, audit_parts)),
+            "audit_index": audit_prefix + _quoted(self._audit_index),
+            "heartbeats": ".".join(map(_quoted, heartbeats_parts)),
             **{index: prefix + _quoted(index) for index in self.indexes},
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
@@ -102,6 +118,7 @@ class Schema:
         self.steps: list[Step] = [
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
+            Step("audit and heartbeats tables", self._lacks_console, self._create_console),
             Step("autovacuum settings", self._lacks_storage, self._set_storage),
             *(
                 Step(f"index {index}", self._lacks_index(index), self._index_builder(index))
@@ -161,6 +178,7 @@ class Schema:
             for index, definition in self.indexes.items():
                 conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
         self._create_jobs(conn)
+        self._create_console(conn)
         logger.info("created table %s and its indexes", self.name)
 
     @contextmanager
@@ -236,6 +254,20 @@ class Schema:
                 ),
                 prepare=False,
             )
+
+    def _lacks_console(self, state: SchemaState) -> bool:
+        names = ("audit", "audit_index", "heartbeats")
+        return bool({self._regclass[name] for name in names} & state.missing)
+
+    def _create_console(self, conn: psycopg.Connection[Any]) -> None:
+        # New tables only: nothing else waits on them.
+        with conn.transaction():
+            audit = sql.SQL(AUDIT_SCHEMA).format(
+                audit=self.audit, audit_key_index=sql.Identifier(self._audit_index)
+            )
+            conn.execute(audit, prepare=False)
+            heartbeats = sql.SQL(HEARTBEATS_SCHEMA).format(heartbeats=self.heartbeats)
+            conn.execute(heartbeats, prepare=False)
 
     def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
         return lambda state: self._regclass[index] in state.missing or index in state.invalid

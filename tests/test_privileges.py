@@ -1,7 +1,8 @@
 """The README's least-privilege claim, for real: once an owner has run ``flask idempotency-init``,
-an app whose role has only USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on the two
+an app whose role has only USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on the
 tables serves every kind of request (with the default ``IDEMPOTENCY_CREATE_TABLE = True``),
-waits on LISTEN/NOTIFY, takes advisory locks, stages and dispatches jobs, and runs the cleaner.
+waits on LISTEN/NOTIFY, takes advisory locks, stages and dispatches jobs, runs the cleaner
+(with its heartbeat) and makes an audited change.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ class LimitedRole:
 
     @property
     def config(self) -> dict[str, str]:
-        return {"IDEMPOTENCY_TABLE": self.table, "IDEMPOTENCY_JOBS_TABLE": self.jobs_table}
+        return {
+            "IDEMPOTENCY_TABLE": self.table,
+            "IDEMPOTENCY_JOBS_TABLE": self.jobs_table,
+            "IDEMPOTENCY_AUDIT_TABLE": f"{self.schema}.idempotency_audit",
+            "IDEMPOTENCY_HEARTBEATS_TABLE": f"{self.schema}.idempotency_heartbeats",
+        }
 
 
 def sessions(db: DB, role: str, listening: bool = False) -> int:
@@ -88,9 +94,11 @@ def test_the_app_needs_only_dml_on_the_table(
     owner = make_app(**role.config)
     init = owner.test_cli_runner().invoke(args=["idempotency-init"])
     assert init.exit_code == 0 and init.output.startswith("created table"), init.output
+    audit = sql.Identifier(role.schema, "idempotency_audit")
+    heartbeats = sql.Identifier(role.schema, "idempotency_heartbeats")
     db.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {} TO {}").format(
-            table, jobs_table, name
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {}, {}, {} TO {}").format(
+            table, jobs_table, audit, heartbeats, name
         )
     )
     # The test app's own tables that its transactional and phased views write on the
@@ -179,6 +187,17 @@ def test_the_app_needs_only_dml_on_the_table(
     assert "deleted 1 expired keys" in clean.output
     listed = runner.invoke(args=["idempotency-list"])
     assert listed.exit_code == 0 and key in listed.output, listed.output
+    # Its heartbeat, and an audited change (the audit's identity column needs no grant).
+    beat = db.execute(sql.SQL("SELECT command, counts FROM {}").format(heartbeats)).fetchall()
+    assert beat == [("clean", {"deleted": 1, "marked": 0})]
+    resolved = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
+    assert resolved.exit_code == 1 and "no key" in resolved.output  # completed: refused
+    db.execute(sql.SQL("UPDATE {} SET status = 'unknown' WHERE key = %s").format(table), (key,))
+    resolved = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
+    assert resolved.exit_code == 0, resolved.output
+    assert db.execute(sql.SQL("SELECT action, key FROM {}").format(audit)).fetchall() == [
+        ("resolve", key)
+    ]
 
     # Staged jobs: committed with the answer, handed to the dispatcher, then forgotten.
     assert post(client, "/stage", key + "-stage").status_code == 201

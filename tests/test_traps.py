@@ -373,6 +373,9 @@ def test_a_stored_failure_is_forgotten_and_the_next_delivery_runs(
     assert forgot.exit_code == 0, forgot.output
     assert "forgotten" in forgot.output
     assert "actor='alice'" in caplog.text and "reason='hiccup'" in caplog.text
+    audit = runner.invoke(args=["idempotency-audit", "--tenant", "t1", "--key", key])
+    assert audit.exit_code == 0, audit.output
+    assert "forget" in audit.output and "alice" in audit.output and "hiccup" in audit.output
     with app.app_context():
         assert extension(app).run_once(key, fn, tenant="t1") == "done"
     assert fn.calls == 2

@@ -1,0 +1,62 @@
+"""What the operators' statements take and give (:mod:`.operations`): the keys list's and the
+jobs' filters, a count that may be an estimate, a page of keys; and what PostgreSQL text can
+hold."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timedelta
+from typing import Any
+
+from .model import KeyStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """One figure of the overview: exact, or the planner's estimate."""
+
+    value: int
+    estimated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyFilter:
+    """The keys list's filters (also what "Re-arm all" acts on)."""
+
+    status: KeyStatus | None = None
+    tenant: str | None = None
+    prefix: str | None = None
+    exhausted: bool = False
+    older_than: timedelta | None = None
+    newest_first: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysPage:
+    """A page of keys, and where the next one starts (None: the end)."""
+
+    rows: list[dict[str, Any]]
+    #: (created_at, tenant, key) of the last row walked
+    next_cursor: tuple[datetime, str, str] | None
+    #: True when the page walked its whole window without filling up
+    window_exhausted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFilter:
+    """Which failing or dead jobs: by id, by name (a name no dispatcher knows is failing
+    forever, never dead), of a kind (``dead``, ``failing`` or ``any``)."""
+
+    id: str | None = None
+    name: str | None = None
+    kind: str = "any"
+
+
+def pg_text(value: str) -> str:
+    """*value* as PostgreSQL text can hold it (NUL and lone surrogates escaped)."""
+    return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+
+
+def storable(value: str) -> bool:
+    """True if PostgreSQL text can hold *value* as it is (no NUL, no lone surrogate)."""
+    return "\x00" not in value and pg_text(value) == value

@@ -1,0 +1,151 @@
+"""The console's powers on the CLI (SPEC §11): idempotency-rearm, idempotency-jobs,
+idempotency-audit, --actor/--reason on idempotency-resolve, and the heartbeats the
+background commands write."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from test_console import TABLES, Console, add_job, add_key, audit_rows, make_console, status_of
+
+from flask_idempotency.cli_operators import default_actor
+
+
+@pytest.fixture
+def ops_console(database_url: str, db) -> Iterator[Console]:  # type: ignore[no-untyped-def]
+    made = make_console(database_url)
+    with made.app.app_context(), made.app.extensions["idempotency"].store.connection():
+        pass
+    for table in TABLES.values():
+        db.execute(f"TRUNCATE {table}")
+    made.db = db
+    yield made
+    made.app.extensions["idempotency"].store.close()
+
+
+def run(console: Console, *args: str) -> tuple[int, str]:
+    result = console.app.test_cli_runner().invoke(args=list(args))
+    return result.exit_code, result.output
+
+
+def test_resolve_records_actor_and_reason(ops_console: Console) -> None:
+    db = ops_console.db
+    add_key(db, "u-1", "unknown")
+    code, out = run(
+        ops_console, "idempotency-resolve", "u-1", "--tenant", "t", "--as", "completed",
+        "--status", "200", "--body", "ok", "--actor", "ann", "--reason", "checked",
+    )  # fmt: skip
+    assert code == 0, out
+    assert audit_rows(db)[0][:8] == (
+        "ann",
+        "resolve",
+        "t",
+        "u-1",
+        None,
+        "unknown",
+        "completed",
+        "checked",
+    )
+    code, out = run(ops_console, "idempotency-resolve", "u-1", "--tenant", "t", "--as", "retryable")
+    assert code == 1 and "Error: no key" in out and len(audit_rows(db)) == 1
+
+
+def test_rearm_one_key_or_all_exhausted(ops_console: Console) -> None:
+    db = ops_console.db
+    for name in ("e-1", "e-2"):
+        add_key(db, name, "unknown", looks=10)
+    add_key(db, "e-3", "unknown", tenant="other", looks=10)
+    code, out = run(ops_console, "idempotency-rearm", "e-1", "--tenant", "t")
+    assert code == 0 and "re-armed 1" in out
+    assert audit_rows(db)[0][0] == default_actor()
+    code, out = run(ops_console, "idempotency-rearm", "e-1", "--tenant", "t")
+    assert code == 1 and out.startswith("Error: no exhausted key")
+    code, out = run(
+        ops_console, "idempotency-rearm", "--all-exhausted", "--reason", "provider back"
+    )
+    assert code == 0 and "re-armed 2" in out
+    assert [r[7] for r in audit_rows(db)] == [None, "provider back", "provider back"]
+    for args in ((), ("k", "--all-exhausted")):
+        code, out = run(ops_console, "idempotency-rearm", *args)
+        assert code == 2 and "name one KEY" in out
+    code, out = run(ops_console, "idempotency-rearm", "a\x00b")
+    assert code == 2 and "NUL" in out and "Traceback" not in out
+
+
+def test_jobs_retry_and_discard(ops_console: Console) -> None:
+    db = ops_console.db
+    dead = add_job(db)
+    named = [add_job(db, "<x>", dead=False), add_job(db, "<x>")]
+    code, out = run(ops_console, "idempotency-jobs", "retry", dead, "--actor", "bob")
+    assert code == 0 and "retried 1" in out
+    assert db.execute(
+        "SELECT dead, attempts FROM console_jobs WHERE id = %s", (dead,)
+    ).fetchone() == (False, 0)
+    code, out = run(ops_console, "idempotency-jobs", "discard", "--name", "<x>", "--reason", "r")
+    assert code == 0 and "discarded 2" in out
+    rows = audit_rows(db)
+    assert sorted(r[4] for r in rows[1:]) == sorted(named)
+    assert {json.loads(r[9])["a"] for r in rows[1:]} == {1}
+    add_job(db)
+    add_job(db, dead=False)
+    code, out = run(ops_console, "idempotency-jobs", "discard", "--all-dead")
+    assert code == 0 and "discarded 1" in out
+    code, out = run(ops_console, "idempotency-jobs", "retry", "not-a-uuid")
+    assert code == 2 and "UUID" in out
+    code, out = run(ops_console, "idempotency-jobs", "retry", dead)
+    assert code == 1 and "no failing or dead job" in out
+    code, out = run(ops_console, "idempotency-jobs", "retry")
+    assert code == 2
+
+
+def test_audit_prints_newest_first_and_filters(ops_console: Console) -> None:
+    db = ops_console.db
+    add_key(db, "<k>", "unknown", looks=10)
+    add_key(db, "other", "unknown", looks=10)
+    run(ops_console, "idempotency-rearm", "<k>", "--tenant", "t", "--reason", "first")
+    run(ops_console, "idempotency-rearm", "other", "--tenant", "t", "--reason", "second")
+    code, out = run(ops_console, "idempotency-audit")
+    assert code == 0
+    lines = out.splitlines()
+    assert "second" in lines[0] and "first" in lines[1] and lines[-1] == "2 audit row(s)"
+    code, out = run(ops_console, "idempotency-audit", "--key", "<k>", "--limit", "5")
+    assert code == 0 and "'<k>'" in out and "other" not in out
+
+
+def test_background_commands_write_heartbeats(ops_console: Console) -> None:
+    db = ops_console.db
+    assert run(ops_console, "idempotency-clean")[0] == 0
+    ops_console.idempotency.dispatcher(lambda job: None)
+    add_job(db, dead=False)
+    db.execute("UPDATE console_jobs SET due_at = now()")
+    code, out = run(ops_console, "idempotency-dispatch")
+    assert code == 0, out
+    ops_console.idempotency.reconciler(lambda key: None)
+    add_key(db, "due", "unknown")
+    assert run(ops_console, "idempotency-reconcile")[0] == 0
+    assert run(ops_console, "idempotency-complete")[0] == 0
+    beats = db.execute(
+        "SELECT command, pid > 0, interval_seconds, counts FROM console_heartbeats ORDER BY command"
+    ).fetchall()
+    assert beats == [
+        ("clean", True, None, {"deleted": 0, "marked": 0}),
+        ("complete", True, None, {"keys": 0}),
+        ("dispatch", True, None, {"dispatched": 1, "failed": 0, "unknown": 0}),
+        ("reconcile", True, None, {"keys": 1, "undecided": 1}),
+    ]
+    assert status_of(db, "nothing") is None
+
+
+def test_a_heartbeat_that_cannot_be_written_does_not_stop_the_command(
+    ops_console: Console, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = ops_console.db
+    db.execute("ALTER TABLE console_heartbeats RENAME TO console_heartbeats_away")
+    try:
+        code, out = run(ops_console, "idempotency-clean")
+    finally:
+        db.execute("ALTER TABLE console_heartbeats_away RENAME TO console_heartbeats")
+    assert code == 0 and "deleted 0 expired keys" in out
+    assert "clean: could not record its heartbeat" in caplog.text
