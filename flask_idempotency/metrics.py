@@ -157,10 +157,13 @@ class StuckKeysCollector(Collector):
         self.maintenance = maintenance
         self.max_attempts = max_attempts
 
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The gauge without its values: what a registry asks at registration, so that
+        registering the collector sends no query."""
+        yield self._family()
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "idempotency_stuck_keys", "Keys that need attention, by state.", labels=["state"]
-        )
+        family = self._family()
         try:
             abandoned, unknown, exhausted = self.maintenance.count_stuck(self.max_attempts)
         except StoreError:
@@ -169,3 +172,9 @@ class StuckKeysCollector(Collector):
         family.add_metric(["unknown"], unknown)
         family.add_metric(["exhausted"], exhausted)
         yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "idempotency_stuck_keys", "Keys that need attention, by state.", labels=["state"]
+        )
