@@ -36,6 +36,7 @@ from typing import Any
 
 from docutils import nodes
 from docutils.statemachine import StringList
+from pygments.lexers.shell import BashLexer
 from sphinx.application import Sphinx
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging as sphinx_logging
@@ -68,6 +69,7 @@ class _RstDirective(SphinxDirective):
         raise NotImplementedError
 
     def run(self) -> list[nodes.Node]:
+        self.env.note_reread()  # generated from the code: read again on every build
         text = StringList()
         source = self.get_source_info()[0] or self.env.docname
         for number, line in enumerate(self.lines()):
@@ -323,7 +325,7 @@ class ProblemsDirective(_RstDirective):
                     f"{_public_path(cls)}: {doc}",
                 ]
             )
-        yield f"The ``type`` of each problem is ``IDEMPOTENCY_PROBLEM_TYPE_BASE`` + the slug;"
+        yield "The ``type`` of each problem is ``IDEMPOTENCY_PROBLEM_TYPE_BASE`` + the slug;"
         yield f"by default ``{DEFAULT_PROBLEM_TYPE_BASE}key-reused`` and so on."
         yield ""
         yield from _table(
@@ -393,7 +395,9 @@ def registered_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
             continue
         for family in describe():
             # prometheus_client keeps label names on the metric and on the family alike
-            labels = tuple(getattr(collector, "_labelnames", ()) or getattr(family, "_labelnames", ()))
+            labels = tuple(
+                getattr(collector, "_labelnames", ()) or getattr(family, "_labelnames", ())
+            )
             name = family.name + ("_total" if family.type == "counter" else "")
             found.append((name, family.type, family.documentation, labels))
     return found
@@ -434,6 +438,8 @@ def internal_class_names() -> list[str]:
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
+    # docs/deployment.md shows crontab lines; they read well as shell
+    app.add_lexer("cron", BashLexer)
     app.add_directive("idempotency-api", ApiDirective)
     app.add_directive("idempotency-settings", SettingsDirective)
     app.add_directive("idempotency-problems", ProblemsDirective)
