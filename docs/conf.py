@@ -45,6 +45,7 @@ html_show_sourcelink = False
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_preserve_defaults = True
 
 # Intersphinx needs the network, which CI does not have: DOCS_INTERSPHINX=1 links Python,

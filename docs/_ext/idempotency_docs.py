@@ -41,7 +41,6 @@ from sphinx.application import Sphinx
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging as sphinx_logging
 from sphinx.util.docutils import SphinxDirective
-from werkzeug.local import LocalProxy
 
 logger = sphinx_logging.getLogger(__name__)
 
@@ -101,6 +100,10 @@ def _api_groups() -> dict[str, list[str]]:
     return groups
 
 
+#: attributes the extension's own code uses, documented for it (``#:``), not for apps
+INTERNAL_MEMBERS = {"ClaimedKey": ["protected", "released", "exception", "pinned", "jobs"]}
+
+
 def _autodoc(name: str) -> list[str]:
     import flask_idempotency
 
@@ -108,14 +111,16 @@ def _autodoc(name: str) -> list[str]:
     target = f"{PACKAGE}.{name}"
     if isinstance(obj, type):
         options = ["   :members:"]
-        if issubclass(obj, enum.Enum):
-            options = ["   :members:", "   :undoc-members:"]
+        if issubclass(obj, enum.Enum) or dataclasses.is_dataclass(obj):
+            options.append("   :undoc-members:")  # each member or field is API
+        if name in INTERNAL_MEMBERS:
+            options.append(f"   :exclude-members: {', '.join(INTERNAL_MEMBERS[name])}")
         return [f".. autoclass:: {target}", *options, ""]
     if inspect.isfunction(obj):
         return [f".. autofunction:: {target}", ""]
-    if isinstance(obj, LocalProxy):  # autodoc would look the proxy up, outside a request
-        return [f".. py:data:: {target}", "", *(f"   {line}" for line in _data_doc(name)), ""]
-    return [f".. autodata:: {target}", "   :no-value:", ""]
+    # A value (a proxy, a sentinel): its #: comment where it is defined. autodoc would look
+    # a proxy up outside a request, and give a sentinel its class's docstring.
+    return [f".. py:data:: {target}", "", *(f"   {line}" for line in _data_doc(name)), ""]
 
 
 def _data_doc(name: str) -> list[str]:
@@ -155,11 +160,26 @@ class ApiDirective(_RstDirective):
         for name in groups["modules"]:
             title = f"``{PACKAGE}.{name}``"
             yield from [title, "-" * len(title), ""]
-            yield from [f".. automodule:: {PACKAGE}.{name}", "   :members:", ""]
+            yield from _module(f"{PACKAGE}.{name}")
         for module in self.arguments:
             title = f"``{module}``"
             yield from [title, "-" * len(title), ""]
-            yield from [f".. automodule:: {module}", "   :members:", ""]
+            yield from _module(module)
+
+
+def _module(module: str) -> Iterator[str]:
+    """A public module: its classes and functions, then its documented values without
+    their reprs (a signal's repr is an address, not documentation)."""
+    values = [
+        name for scope, name in ModuleAnalyzer.for_module(module).find_attr_docs() if not scope
+    ]
+    yield f".. automodule:: {module}"
+    yield "   :members:"
+    if values:
+        yield f"   :exclude-members: {', '.join(values)}"
+    yield ""
+    for name in values:
+        yield from [f".. autodata:: {module}.{name}", "   :no-value:", ""]
 
 
 def check_api(app: Sphinx, env: Any) -> None:
@@ -437,6 +457,43 @@ def internal_class_names() -> list[str]:
     return sorted(names)
 
 
+def restore_defining_modules(app: Sphinx) -> None:
+    """Point each public class's ``__module__`` back at the module that defines it, for
+    this build only. The package root sets it to ``flask_idempotency`` (the public path);
+    autodoc then reads the root's source for the ``#:`` comments of instance attributes
+    (``ClaimedKey.key``) and finds none. The documented names stay the public ones."""
+    import importlib
+
+    import flask_idempotency
+
+    modules = [m.name for m in pkgutil.walk_packages(flask_idempotency.__path__, f"{PACKAGE}.")]
+    for name in flask_idempotency.__all__:
+        obj = getattr(flask_idempotency, name)
+        if not isinstance(obj, type) or obj.__module__ != PACKAGE:
+            continue
+        for module in modules:
+            try:
+                defined = ModuleAnalyzer.for_module(module).find_tags()
+                loaded = importlib.import_module(module)
+            except Exception:  # an optional integration whose extra is not installed
+                continue
+            if defined.get(name, ("",))[0] == "class" and getattr(loaded, name, None) is obj:
+                obj.__module__ = module
+                break
+
+
+#: public classes that only the extension makes: their constructor is not API
+CONSTRUCTED_BY_THE_EXTENSION = {f"{PACKAGE}.ClaimedKey"}
+
+
+def hide_internal_constructor(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, signature: str, annotation: str
+) -> tuple[str, str] | None:
+    if what == "class" and name in CONSTRUCTED_BY_THE_EXTENSION:
+        return "", annotation
+    return None
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     # docs/deployment.md shows crontab lines; they read well as shell
     app.add_lexer("cron", BashLexer)
@@ -445,5 +502,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("idempotency-problems", ProblemsDirective)
     app.add_directive("idempotency-decisions", DecisionsDirective)
     app.add_directive("idempotency-metrics", MetricsDirective)
+    app.connect("builder-inited", restore_defining_modules)
     app.connect("env-check-consistency", check_api)
+    app.connect("autodoc-process-signature", hide_internal_constructor)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
