@@ -197,3 +197,55 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"\b[3-9] passed\b", done.stdout), done.stdout
+
+
+# -- the README's front page, drafted for issue 23's part B ----------------------------------
+
+DRAFT = DOCS / "_readme_frontpage_draft.md"
+
+
+def draft_block(section: str, language: str) -> str:
+    text = DRAFT.read_text(encoding="utf-8")
+    start = text.index(f"\n## {section}\n")
+    opening = text.index(f"\n```{language}\n", start) + len(f"\n```{language}\n")
+    return text[opening : text.index("\n```\n", opening) + 1]
+
+
+def test_front_page_draft_is_short_and_starts_with_the_two_commands() -> None:
+    text = DRAFT.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    first_block = text[text.index("```bash\n") + len("```bash\n") :].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == ["bash example/run", "bash .ci/run"]
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert links and missing == [], missing
+
+
+def test_front_page_draft_quick_start_runs(
+    page_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", page_database)
+    source = draft_block("Quick start", "python")
+    assert len([line for line in source.splitlines() if line.strip()]) <= 22
+    module = types.ModuleType("quickstart_draft")
+    exec(compile(source, str(DRAFT), "exec"), module.__dict__)
+    app: Flask = module.app
+    try:
+        client = app.test_client()
+
+        def pay(account: str | None, amount: int = 1000) -> Any:
+            headers = {"Idempotency-Key": "order-1"}
+            if account is not None:
+                headers["Authorization"] = f"Bearer {account}"
+            return client.post("/payments", json={"amount": amount}, headers=headers)
+
+        first, retry = pay("sk_test_acme"), pay("sk_test_acme")
+        assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+        assert retry.headers["Idempotent-Replayed"] == "true" and retry.data == first.data
+        other = pay("sk_test_globex")
+        assert other.status_code == 201 and other.get_json() != first.get_json()
+        assert pay("sk_test_acme", amount=5).status_code == 422
+        assert pay(None).status_code == 401
+    finally:
+        app.extensions["idempotency"].store.close()
