@@ -237,6 +237,17 @@ def declared_settings() -> list[Setting]:
     return found
 
 
+def _sentence(lines: list[str]) -> list[str]:
+    """A ``#:`` comment as a sentence: capitalised, with its full stop."""
+    if not lines:
+        return lines
+    first, last = lines[0].strip(), lines[-1].rstrip()
+    lines = [first[:1].upper() + first[1:], *lines[1:]]
+    if not last.endswith((".", ")", "``")):
+        lines[-1] = lines[-1].rstrip() + "."
+    return lines
+
+
 class SettingsDirective(_RstDirective):
     """``.. idempotency-settings::``: one ``confval`` per declared setting."""
 
@@ -258,7 +269,7 @@ class SettingsDirective(_RstDirective):
             [
                 f":confval:`{s.key}`",
                 f"``{_default_text(s.default)}``",
-                f"``{s.name}=``" if s.route else "-",
+                f"``{s.name}=``" if s.route else "app-wide",
             ]
             for s in settings
         ]
@@ -275,7 +286,7 @@ class SettingsDirective(_RstDirective):
             yield f"   :type: ``{setting.type_name}``"
             yield f"   :default: ``{_default_text(setting.default)}``"
             yield ""
-            for line in setting.meaning:
+            for line in _sentence(setting.meaning):
                 yield f"   {line}"
             yield ""
             if setting.route:
@@ -307,7 +318,7 @@ def _public_path(cls: type[Any]) -> str:
 
     if getattr(flask_idempotency, cls.__name__, None) is cls:
         return f":class:`~{PACKAGE}.{cls.__name__}`"
-    return f"``{PACKAGE}.errors.{cls.__name__}``"
+    return f"``{cls.__name__}`` (not exported)"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> Iterator[str]:
@@ -330,28 +341,22 @@ class ProblemsDirective(_RstDirective):
     def lines(self) -> Iterator[str]:
         from flask_idempotency.errors import DEFAULT_PROBLEM_TYPE_BASE
 
-        rows = []
+        rows, meanings = [], []
         for cls in problem_classes():
             retry = {True: "``true``", False: "``false``", None: "(absent)"}[cls.should_retry]
             stripe = f"{cls.stripe_status or cls.code} ``{cls.stripe_type}``"
+            rows.append([f"``{cls.slug}``", f"{cls.code}", retry, stripe, _public_path(cls)])
             doc = " ".join(inspect.getdoc(cls).split()) if cls.__doc__ else ""
-            rows.append(
-                [
-                    f"``{cls.slug}``",
-                    f"{cls.code}",
-                    cls.title,
-                    retry,
-                    stripe,
-                    f"{_public_path(cls)}: {doc}",
-                ]
-            )
+            meanings += [f"``{cls.slug}``", f"   *{cls.title}.* {doc}", ""]
         yield "The ``type`` of each problem is ``IDEMPOTENCY_PROBLEM_TYPE_BASE`` + the slug;"
         yield f"by default ``{DEFAULT_PROBLEM_TYPE_BASE}key-reused`` and so on."
         yield ""
         yield from _table(
-            ["slug", "status", "title", "``Stripe-Should-Retry``", "Stripe format", "raised as"],
-            rows,
+            ["slug", "status", "``Stripe-Should-Retry``", "Stripe format", "raised as"], rows
         )
+        yield "Each problem's ``title``, and when it is raised:"
+        yield ""
+        yield from meanings
 
 
 class DecisionsDirective(_RstDirective):
@@ -374,7 +379,7 @@ class DecisionsDirective(_RstDirective):
             rows.append(
                 [
                     f"``{decision.value}``",
-                    meaning.strip() or "-",
+                    meaning.strip() or "(none)",
                     what,
                     "yes" if answer.retry_after else "no",
                     logging.getLevelName(answer.level),
@@ -430,7 +435,7 @@ class MetricsDirective(_RstDirective):
 
     def lines(self) -> Iterator[str]:
         rows = [
-            [f"``{name}``", kind, ", ".join(f"``{label}``" for label in labels) or "-", text]
+            [f"``{name}``", kind, ", ".join(f"``{label}``" for label in labels) or "(none)", text]
             for name, kind, text, labels in registered_metrics()
         ]
         yield from _table(["metric", "type", "labels", "help"], rows)
