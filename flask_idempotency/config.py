@@ -227,23 +227,44 @@ def option(default: Any, convert: Converter) -> Any:
 class RouteSettings:
     """The settings that decide how one request is treated; each can be set per route."""
 
+    #: the request header that carries the key
     header: str = option("Idempotency-Key", _header_name)
+    #: a request without the header: 400 ``key-missing`` (True), or the view runs
+    #: unprotected (False)
     required: bool = option(True, _bool)
+    #: how long a finished key is kept and replayed (seconds or a timedelta)
     ttl: timedelta = option(24 * 3600, _duration)
+    #: how long a ``processing`` claim is trusted before it counts as abandoned; set
+    #: it above your slowest view
     lease: timedelta = option(60, _duration)
+    #: seconds, sent in ``Retry-After`` on 409, 202 and 503
     retry_after: int = option(1, _int_at_least(0))
+    #: seconds a duplicate may wait for its in-flight twin, woken by NOTIFY, before 409
     wait: float = option(0, _seconds)
+    #: an abandoned claim: taken over and the view runs again (``"retry"``), or
+    #: marked ``unknown`` and never re-run automatically (``"unknown"``)
     on_abandoned: OnAbandoned = option("retry", _choice("retry", "unknown"))
+    #: an unhandled exception in the view: store and replay the 500 (``"store"``),
+    #: mark the key retryable (``"release"``) or ``unknown`` (``"unknown"``)
     on_exception: OnException = option("store", _choice("store", "release", "unknown"))
+    #: responses with these statuses are not stored: the key becomes retryable
     release_statuses: frozenset[int] = option((429, 503), _statuses)
+    #: store unreachable: answer 503 (False), or run the view unprotected and log it
+    #: (True)
     fail_open: bool = option(False, _bool)
+    #: the header added (value ``true``) to every replayed response
     replay_header: str = option("Idempotent-Replayed", _header_name)
+    #: larger request bodies get 413 before anything is claimed
     max_request_bytes: int = option(1024 * 1024, _int_at_least(0))
+    #: larger responses are not stored (500 problem, the key becomes ``unknown``)
     max_response_bytes: int = option(1024 * 1024, _int_at_least(0))
-    #: response headers never stored, added to :data:`DEFAULT_EXCLUDED_HEADERS`
+    #: response headers never stored nor replayed, added to the defaults (``Set-Cookie``,
+    #: ``Date`` and the hop-by-hop headers of ``DEFAULT_EXCLUDED_HEADERS``)
     excluded_headers: frozenset[str] = option((), _header_names)
     #: True: ``excluded_headers`` replaces the default list instead of adding to it
     replace_excluded_headers: bool = option(False, _bool)
+    #: error bodies as RFC 9457 problems (``"problem"``), or Stripe-compatible
+    #: (``"stripe"``)
     error_format: str = option("problem", _choice("problem", "stripe"))
     #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
     in_progress_status: int = option(409, _in_progress_status)
@@ -256,6 +277,7 @@ class RouteSettings:
     #: the request headers stored with a ``complete=True`` claim (this list replaces
     #: the default: name Content-Type yourself)
     stored_request_headers: frozenset[str] = option(("Content-Type",), _header_names)
+    #: the prefix of every problem's ``type`` URI
     problem_type_base: str = option(DEFAULT_PROBLEM_TYPE_BASE, _str)
     #: JSON pointers (``/metadata/request_id``) and form field names left out of the
     #: fingerprint; a route's list replaces the app's
@@ -296,11 +318,16 @@ class RouteSettings:
 class Settings:
     """Everything the extension reads from ``app.config``, converted and validated."""
 
+    #: libpq URL or conninfo of the store; required unless a pool is passed to
+    #: ``init_app``
     database_url: str | None = option(None, _conninfo)
     #: where waiting requests LISTEN; PgBouncer's transaction mode cannot carry LISTEN
     listen_database_url: str | None = option(None, _conninfo)
+    #: connections each process's pool keeps open
     pool_min_size: int = option(1, _int_at_least(0))
+    #: connections each process's pool opens at most
     pool_max_size: int = option(4, _int_at_least(1))
+    #: the longest a request waits for a pool connection; then 503
     pool_timeout: float = option(5.0, _seconds)
     #: the longest the database may take to answer one of the extension's statements,
     #: measured on the client (a silent network, a hung pooler); then 503
@@ -308,11 +335,14 @@ class Settings:
     #: how long the pool keeps retrying a failed connection in the background before
     #: it gives up and lets the next request try afresh (psycopg_pool's reconnect_timeout)
     pool_reconnect_timeout: float = option(10.0, _seconds)
+    #: prepare the request path's statements; switched off by itself behind a
+    #: PgBouncer older than 1.21 (set False there to start so)
     prepared_statements: bool = option(True, _bool)
     #: False: the completion commits without waiting for its WAL flush (see README)
     synchronous_finish: bool = option(True, _bool)
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
+    #: the keys' table, may be schema-qualified
     table: str = option("idempotency_keys", _str)
     #: where staged jobs wait for a dispatcher (SPEC §10)
     jobs_table: str = option("idempotency_jobs", _str)
@@ -320,6 +350,8 @@ class Settings:
     audit_table: str = option("idempotency_audit", _str)
     #: the background commands' last batch, one row per command and host (SPEC §11)
     heartbeats_table: str = option("idempotency_heartbeats", _str)
+    #: create the tables and indexes if missing (or upgrade an earlier release's
+    #: online), once per process
     create_table: bool = option(True, _bool)
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour
@@ -332,7 +364,8 @@ class Settings:
     console_path: str = option("/idempotency/console", _url_path)
     #: ``flask idempotency-complete`` takes keys untouched for this long (``--older-than``)
     complete_after: float = option(300, _seconds)
-    #: encrypts stored bodies and headers at rest (see :mod:`.sealing`); None: plain
+    #: encrypts stored bodies and headers at rest (an object with encrypt() and decrypt(),
+    #: e.g. ``flask_idempotency.encryption.Fernet``); None: plain
     encryptor: Any = option(None, _parsed(check_encryptor))
     #: the app-wide defaults of the per-route settings
     route: RouteSettings = dataclasses.field(default_factory=RouteSettings)

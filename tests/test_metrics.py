@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flask import Flask
 from helpers import post
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,3 +30,23 @@ def test_metrics_count_decisions_and_stuck_keys(app: Flask, key: str) -> None:
     assert sample(registry, "idempotency_claim_seconds_count") == 4
     assert sample(registry, "idempotency_stuck_keys", state="unknown") >= 1
     assert b"idempotency_stuck_keys" in generate_latest(registry)
+
+
+def test_the_stuck_keys_gauge_describes_itself_without_a_query(
+    make_app: Callable[..., Flask], key: str
+) -> None:
+    """A registry learns the gauge's name from describe(): registering it opens nothing
+    (prometheus_client's default registry would otherwise collect, i.e. query, at once),
+    and a restricted registry, as in the multiprocess recipe of docs/howto/metrics.md, can
+    serve the gauge alone."""
+    fresh = make_app()
+    PrometheusMetrics(fresh, registry=CollectorRegistry(auto_describe=True))
+    assert fresh.extensions["idempotency"].store._pool is None  # no connection, no query
+
+    app = make_app()
+    post(app.test_client(), "/boom-unknown", key)  # one unknown key
+    registry = CollectorRegistry()
+    PrometheusMetrics(app, registry=registry)
+    scraped = generate_latest(registry.restricted_registry(["idempotency_stuck_keys"])).decode()
+    assert 'idempotency_stuck_keys{state="unknown"}' in scraped
+    assert "idempotency_decisions_total" not in scraped
