@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import signals
+from .background.reconciler import RETRYABLE, UnknownKey
 from .claim import ClaimedKey, current_idempotency
 from .consumer import StoredFailure
 from .errors import (
@@ -25,7 +26,6 @@ from .errors import (
 from .extension import Idempotency
 from .jobs import Job
 from .model import KeyStatus
-from .reconciler import RETRYABLE, UnknownKey
 from .rerun import completing
 
 __all__ = [

@@ -24,10 +24,10 @@ from .errors import KeyNotFound, OutcomeUnknown, ProblemError
 from .jobs import StagedJob, stage_params, staged_job
 from .keys import load_tenant, parse_key
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
-from .postgres import PinnedConnection, store_errors
-from .queries import STAGE_JOBS
-from .queries_background import DEFER
 from .state import IdempotencyState, get_state
+from .store.postgres import PinnedConnection, store_errors
+from .store.statements_background import DEFER
+from .store.statements_request import STAGE_JOBS
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -17,7 +17,7 @@ from .jobs import StagedJob, staged_job
 from .model import ClaimOutcome
 
 if TYPE_CHECKING:
-    from .postgres import PinnedConnection, PostgresStore
+    from .store.postgres import PinnedConnection, PostgresStore
 
 _G_NAME = "_idempotency_claim"
 

@@ -24,9 +24,9 @@ from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavaila
 from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
-from .pool import is_outage
-from .postgres import PinnedConnection
 from .state import get_state
+from .store.pool import is_outage
+from .store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -17,18 +17,18 @@ from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
 from .asynchronous import register_status_view
-from .cli import COMMANDS
-from .cli_workers import COMMANDS as WORKER_COMMANDS
+from .background.dispatch import DispatchFunction
+from .background.reconciler import RETRYABLE, ReconcileFunction, resolve
+from .cli.operators import COMMANDS
+from .cli.workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
-from .dispatch import DispatchFunction
 from .ending import after_request, record_exception, teardown_request
 from .errors import ConfigError
 from .handler import begin
-from .postgres import PostgresStore
-from .reconciler import RETRYABLE, ReconcileFunction, resolve
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
+from .store.postgres import PostgresStore
 
 P = ParamSpec("P")
 R = TypeVar("R")

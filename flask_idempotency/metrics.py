@@ -21,8 +21,8 @@ from prometheus_client.registry import Collector
 
 from . import signals
 from .errors import StoreError
-from .maintenance import Maintenance
 from .state import get_state
+from .store.maintenance import Maintenance
 
 #: the ``decision`` label → the signal it counts
 DECISIONS = {

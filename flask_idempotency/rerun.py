@@ -31,9 +31,9 @@ from .config import RouteSettings
 from .errors import StoreError, StoreUnavailable
 from .keys import lock_id
 from .model import ClaimOutcome, Decision, KeyStatus
-from .postgres import PinnedConnection, PostgresStore, store_errors
-from .queries_background import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
 from .state import IdempotencyState, get_state
+from .store.postgres import PinnedConnection, PostgresStore, store_errors
+from .store.statements_background import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
 from .stored_request import StoredRequest
 
 #: the environ key that marks a rebuilt request (HTTP clients can only set HTTP_* keys)

@@ -14,8 +14,8 @@ from flask import Flask, current_app
 
 from .cache import ReplayCache
 from .config import RouteSettings, Settings
-from .maintenance import Maintenance
-from .postgres import PostgresStore
+from .store.maintenance import Maintenance
+from .store.postgres import PostgresStore
 from .waiting import CompletionWaiter
 
 if TYPE_CHECKING:

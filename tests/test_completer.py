@@ -17,7 +17,7 @@ from flask import Flask
 from helpers import DB, problem, wait_until
 
 from flask_idempotency import signals
-from flask_idempotency.completer import Completer, KeyReport
+from flask_idempotency.background.completer import Completer, KeyReport
 from flask_idempotency.fingerprint import fingerprint
 from flask_idempotency.stored_request import StoredRequest
 

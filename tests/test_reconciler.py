@@ -16,7 +16,7 @@ from flask import Flask, Response
 from helpers import DB, problem, wait_until
 
 from flask_idempotency import Idempotency, UnknownKey, signals
-from flask_idempotency.reconciler import Look, Reconciliation
+from flask_idempotency.background.reconciler import Look, Reconciliation
 from flask_idempotency.state import get_state
 
 RISKY = "/shop/risky"

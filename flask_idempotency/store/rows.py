@@ -7,7 +7,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
+from ..model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
 
 def response_params(response: StoredResponse | None) -> dict[str, Any]:

@@ -12,9 +12,10 @@ from typing import Any
 
 from psycopg.rows import dict_row
 
-from .model import KeyStatus, StoredResponse
+from ..model import KeyStatus, StoredResponse
 from .postgres import PostgresStore, response_params
-from .queries import (
+from .statements_background import LIST_EXHAUSTED
+from .statements_request import (
     COUNT_ABANDONED,
     COUNT_EXPIRED,
     COUNT_STUCK,
@@ -25,7 +26,6 @@ from .queries import (
     RESOLVE_KEY,
     SHOW_KEY,
 )
-from .queries_background import LIST_EXHAUSTED
 
 
 class Maintenance:

@@ -14,13 +14,13 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
-from . import signals
-from .errors import StoreError
-from .maintenance import Maintenance
-from .model import KeyStatus, StoredResponse
-from .pool import probe
-from .postgres import PostgresStore
-from .state import get_state
+from .. import signals
+from ..errors import StoreError
+from ..model import KeyStatus, StoredResponse
+from ..state import get_state
+from ..store.maintenance import Maintenance
+from ..store.pool import probe
+from ..store.postgres import PostgresStore
 
 
 def _store() -> PostgresStore:

@@ -17,13 +17,18 @@ from typing import Any
 from flask import Flask
 from psycopg import sql
 
-from . import signals
-from .model import KeyStatus
-from .postgres import PostgresStore
-from .queries_background import COUNT_DUE_FOR_COMPLETION, DEFERRED, DUE_FOR_COMPLETION, KEY_STATE
-from .rerun import Rerun
-from .state import get_state
-from .stored_request import StoredRequest
+from .. import signals
+from ..model import KeyStatus
+from ..rerun import Rerun
+from ..state import get_state
+from ..store.postgres import PostgresStore
+from ..store.statements_background import (
+    COUNT_DUE_FOR_COMPLETION,
+    DEFERRED,
+    DUE_FOR_COMPLETION,
+    KEY_STATE,
+)
+from ..stored_request import StoredRequest
 
 logger = logging.getLogger("flask_idempotency")
 

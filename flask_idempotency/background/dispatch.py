@@ -16,10 +16,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .jobs import Job
-from .keys import tenant_tag
-from .postgres import PostgresStore
-from .queries import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
+from ..jobs import Job
+from ..keys import tenant_tag
+from ..store.postgres import PostgresStore
+from ..store.statements_request import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
 
 logger = logging.getLogger("flask_idempotency")
 

@@ -23,8 +23,8 @@ from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from .config import Settings
-from .errors import StoreError
+from ..config import Settings
+from ..errors import StoreError
 
 logger = logging.getLogger("flask_idempotency")
 

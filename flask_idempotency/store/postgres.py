@@ -24,11 +24,12 @@ from psycopg import errors, sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from .config import RouteSettings, Settings
-from .errors import AttemptSuperseded, StoreError
-from .jobs import StagedJob, stage_params
-from .keys import lock_id
-from .model import ClaimOutcome, KeyStatus, StoredResponse
+from ..config import RouteSettings, Settings
+from ..errors import AttemptSuperseded, StoreError
+from ..jobs import StagedJob, stage_params
+from ..keys import lock_id
+from ..model import ClaimOutcome, KeyStatus, StoredResponse
+from ..stored_request import StoredRequest, request_params
 from .pool import (
     bounded,
     is_prepared_statement_failure,
@@ -36,11 +37,10 @@ from .pool import (
     store_errors,
     warn_unprepared,
 )
-from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 from .rows import claim_outcome, response_params
 from .schema import Schema
 from .statement import Statement, execute
-from .stored_request import StoredRequest, request_params
+from .statements_request import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 
 __all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
 

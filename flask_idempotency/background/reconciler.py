@@ -22,14 +22,14 @@ from typing import Any
 
 from flask import Flask, Response
 
-from . import signals
-from .claim import derived_key
-from .config import RouteSettings
+from .. import signals
+from ..claim import derived_key
+from ..config import RouteSettings
+from ..model import KeyStatus, StoredResponse
+from ..state import IdempotencyState
+from ..store.statements_background import DUE_FOR_RECONCILE, RESCHEDULE
+from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
-from .model import KeyStatus, StoredResponse
-from .queries_background import DUE_FOR_RECONCILE, RESCHEDULE
-from .state import IdempotencyState
-from .stored_request import StoredRequest
 
 logger = logging.getLogger("flask_idempotency")
 

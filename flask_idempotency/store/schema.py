@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from .keys import lock_id
-from .queries import (
+from ..keys import lock_id
+from .statements_request import (
     ADD_COLUMN,
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,

@@ -17,12 +17,12 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
-from .completer import Completer, summary
-from .dispatch import Dispatcher
-from .errors import StoreError
+from ..background.completer import Completer, summary
+from ..background.dispatch import Dispatcher
+from ..background.reconciler import Reconciliation
+from ..errors import StoreError
+from ..state import get_state
 from .loop import run_every
-from .reconciler import Reconciliation
-from .state import get_state
 
 logger = logging.getLogger("flask_idempotency")
 

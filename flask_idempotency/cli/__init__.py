@@ -1,0 +1,1 @@
+"""The ``flask idempotency-*`` commands."""
