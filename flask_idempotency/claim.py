@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
-import psycopg
 from flask import g
 from werkzeug.local import LocalProxy
 
@@ -17,6 +16,8 @@ from .jobs import StagedJob, staged_job
 from .model import ClaimOutcome
 
 if TYPE_CHECKING:
+    import psycopg
+
     from .store.postgres import PinnedConnection, PostgresStore
 
 _G_NAME = "_idempotency_claim"

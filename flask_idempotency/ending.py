@@ -14,7 +14,6 @@ import inspect
 import logging
 from typing import Any
 
-import psycopg
 from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 
@@ -25,7 +24,7 @@ from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
 from .state import get_state
-from .store.pool import is_outage
+from .store.pool import is_driver_outage
 from .store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
@@ -111,7 +110,7 @@ def _connection_lost(claim: ClaimedKey) -> bool:
     driver's error, or the connection is closed): its work cannot have committed."""
     assert claim.pinned is not None
     exception = claim.exception
-    if exception is not None and isinstance(exception, psycopg.Error) and is_outage(exception):
+    if exception is not None and is_driver_outage(exception):
         return True
     return claim.pinned.conn.closed or claim.pinned.conn.broken
 
@@ -155,7 +154,8 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
     headers = [
         (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
-    # A view that raised stages nothing, even when its 500 is stored (SPEC §10).
+    # A view that raised stages nothing, even when its 500 is stored (README "Work that
+    # outlives the request").
     jobs = tuple(claim.jobs) if exception is None else ()
     stored = StoredResponse(response.status_code, headers, body)
     return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from flask import Flask, current_app, got_request_exception
-from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
 from .asynchronous import register_status_view
@@ -28,6 +27,9 @@ from .errors import ConfigError
 from .handler import begin
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
+
+if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
 from .store.postgres import PostgresStore
 
 P = ParamSpec("P")
@@ -58,7 +60,8 @@ class Idempotency:
     RETRYABLE = RETRYABLE
 
     def __init__(self, app: Flask | None = None, *, pool: ConnectionPool[Any] | None = None):
-        self._tenant_loader: Callable[[], str] | None = None
+        #: names the tenant of the current request (see :meth:`tenant_loader`)
+        self.load_tenant: Callable[[], str] | None = None
         #: settles ``unknown`` keys (see :meth:`reconciler`)
         self.reconcile_key: ReconcileFunction | None = None
         #: hands committed staged jobs to a queue (see :meth:`dispatcher`)
@@ -108,7 +111,7 @@ class Idempotency:
         guessing its key (a warning says so once per app and process). Register
         ``lambda: ""`` to say that this is what you want.
         """
-        self._tenant_loader = loader
+        self.load_tenant = loader
         return loader
 
     @overload
@@ -141,7 +144,7 @@ class Idempotency:
             @functools.wraps(view)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 state = get_state()
-                if self._tenant_loader is None and not state.warned_shared_keys:
+                if self.load_tenant is None and not state.warned_shared_keys:
                     state.warned_shared_keys = True
                     logger.warning(
                         "no tenant_loader is registered: all clients share one key space,"
@@ -150,7 +153,7 @@ class Idempotency:
                         " that is intended)"
                     )
                 settings = state.route_settings(overrides)
-                early = begin(state, settings, transactional, self._tenant_loader)
+                early = begin(state, settings, transactional, self.load_tenant)
                 if early is not None:
                     return early  # type: ignore[return-value]
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]

@@ -14,9 +14,10 @@ from flask import Flask, current_app
 
 from .cache import ReplayCache
 from .config import RouteSettings, Settings
+from .store.batches import Batches
 from .store.maintenance import Maintenance
 from .store.postgres import PostgresStore
-from .waiting import CompletionWaiter
+from .store.waiting import CompletionWaiter
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -42,6 +43,8 @@ class IdempotencyState:
     def __post_init__(self) -> None:
         #: the operators' statements on the same store
         self.maintenance = Maintenance(self.store)
+        #: the background's statements (completer, reconciler, dispatcher) on the same store
+        self.batches = Batches(self.store)
         #: completed responses of this process (``IDEMPOTENCY_REPLAY_CACHE_SIZE`` > 0)
         self.replay_cache = (
             ReplayCache(self.settings.replay_cache_size)

@@ -215,7 +215,9 @@ def test_two_completers_run_each_key_once(make: Callable[..., Flask], db: DB) ->
         other = make()  # its own app and pool, as on another host
         barrier.wait(10)
         with other.app_context():
-            worker = Completer(other, other.extensions["idempotency"].store, timedelta(seconds=60))
+            worker = Completer(
+                other, other.extensions["idempotency"].batches, timedelta(seconds=60)
+            )
             while batch := worker.run_batch(timedelta(0), 3):
                 done[i].extend(batch)
 

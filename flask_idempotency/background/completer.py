@@ -15,19 +15,12 @@ from datetime import timedelta
 from typing import Any
 
 from flask import Flask
-from psycopg import sql
 
 from .. import signals
 from ..model import KeyStatus
 from ..rerun import Rerun
 from ..state import get_state
-from ..store.postgres import PostgresStore
-from ..store.statements_background import (
-    COUNT_DUE_FOR_COMPLETION,
-    DEFERRED,
-    DUE_FOR_COMPLETION,
-    KEY_STATE,
-)
+from ..store.batches import Batches
 from ..stored_request import StoredRequest
 
 logger = logging.getLogger("flask_idempotency")
@@ -59,20 +52,15 @@ class KeyReport:
 class Completer:
     """Runs batches of due keys of *app* through *app*."""
 
-    def __init__(self, app: Flask, store: PostgresStore, hold: timedelta) -> None:
+    def __init__(self, app: Flask, batches: Batches, hold: timedelta) -> None:
         self.app = app
-        self.store = store
+        self.batches = batches
         #: how long a batch reserves its keys (the app's IDEMPOTENCY_LEASE)
         self.hold = hold
 
     def due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
         """The keys a batch would take now (for ``--dry-run``); changes nothing."""
-        params = {"older_than": older_than, "limit": limit}
-        query = self.store.render(COUNT_DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
-        with self.store.connection() as conn:
-            rows = conn.execute(query, params).fetchall()
-        names = ("tenant", "key", "status", "attempt")
-        return [dict(zip(names, row, strict=True)) for row in rows]
+        return self.batches.count_due(older_than, limit)
 
     def run_batch(self, older_than: timedelta, limit: int) -> list[KeyReport]:
         """Take up to *limit* due keys and run each; what became of each.
@@ -90,16 +78,7 @@ class Completer:
     def _take(
         self, older_than: timedelta, limit: int, only: tuple[str, str] | None
     ) -> list[KeyReport]:
-        params = {
-            "older_than": older_than,
-            "limit": limit,
-            "hold": self.hold,
-            "only_tenant": only[0] if only else None,
-            "only_key": only[1] if only else None,
-        }
-        query = self.store.render(DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
-        with self.store.connection() as conn:
-            rows = conn.execute(query, params).fetchall()
+        rows = self.batches.due_for_completion(older_than, limit, self.hold, only)
         return [self._report(self._run_row(row)) for row in rows]
 
     def _run_row(self, row: tuple[Any, ...]) -> KeyReport:
@@ -123,7 +102,7 @@ class Completer:
         )
         report = KeyReport(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
         if report.outcome in (SKIPPED, RACED) and rerun.outcome is None:
-            rerun.unreserve(self.store)
+            self.batches.unreserve(rerun.fence)
         return report
 
     def _run(self, rerun: Rerun) -> KeyReport:
@@ -153,9 +132,7 @@ class Completer:
             return KeyReport(tenant, key, SKIPPED, rerun.attempt, _not_reached(rerun, answered))
         if not outcome.owns_key:
             return KeyReport(tenant, key, MARKED_UNKNOWN, outcome.attempt, "ON_ABANDONED=unknown")
-        with self.store.connection() as conn:
-            now = conn.execute(self.store.render(KEY_STATE), {"tenant": tenant, "key": key})
-            row = now.fetchone()
+        row = self.batches.key_state(tenant, key)
         if row is None or row[1] != outcome.attempt or row[0] == KeyStatus.PROCESSING.value:
             return KeyReport(tenant, key, FENCED, outcome.attempt, "another attempt holds the key")
         detail = f"status {row[2]}" if row[2] is not None else f"answered {answered}"
@@ -216,5 +193,5 @@ def run_deferred(app: Flask, tenant: str, key: str) -> KeyReport | None:
     """Run one key of *app* now if it is due (a deferred asynchronous key is due at
     once): what a worker's task does. None if there was nothing to run."""
     state = get_state(app)
-    completer = Completer(app, state.store, state.settings.route.lease)
+    completer = Completer(app, state.batches, state.settings.route.lease)
     return completer.run_key(tenant, key, timedelta(seconds=state.settings.complete_after))

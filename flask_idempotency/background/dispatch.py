@@ -1,4 +1,5 @@
-"""Handing committed jobs to a real queue: ``flask idempotency-dispatch`` (SPEC §10).
+"""Handing committed jobs to a real queue: ``flask idempotency-dispatch`` (README "Work
+that outlives the request").
 
 Each batch is held by row locks (``FOR UPDATE SKIP LOCKED``) for as long as its
 transaction lives, so dispatchers on several hosts share the table, and one that dies
@@ -18,8 +19,7 @@ from typing import Any
 
 from ..jobs import Job
 from ..keys import tenant_tag
-from ..store.postgres import PostgresStore
-from ..store.statements_request import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
+from ..store.batches import Batches
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -44,9 +44,15 @@ class Undispatched:
 class BatchReport:
     """What one dispatch batch did."""
 
-    dispatched: int = 0
+    #: the ids of the jobs handed over (and forgotten)
+    ids: list[str] = dataclasses.field(default_factory=list)
     #: every job that was not dispatched, and why
     undispatched: list[Undispatched] = dataclasses.field(default_factory=list)
+
+    @property
+    def dispatched(self) -> int:
+        """How many jobs were handed over."""
+        return len(self.ids)
 
     @property
     def failed(self) -> int:
@@ -62,13 +68,13 @@ class Dispatcher:
 
     def __init__(
         self,
-        store: PostgresStore,
+        batches: Batches,
         dispatch: DispatchFunction,
         *,
         backoff: timedelta,
         max_attempts: int,
     ) -> None:
-        self.store = store
+        self.batches = batches
         self.dispatch = dispatch
         self.backoff = backoff
         self.max_attempts = max_attempts
@@ -80,9 +86,7 @@ class Dispatcher:
         :raises StoreError: the store failed; nothing was forgotten.
         """
         report = BatchReport()
-        store = self.store
-        with store.connection() as conn, conn.transaction():
-            rows = conn.execute(store.render(DUE_JOBS), {"limit": limit}, prepare=False).fetchall()
+        with self.batches.due_jobs(limit) as (rows, batch):
             done: list[str] = []
             for row in rows:
                 job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
@@ -91,11 +95,11 @@ class Dispatcher:
                     done.append(job.id)
                 else:
                     report.undispatched.append(undispatched)
-            report.dispatched = len(done)
+            report.ids = done
             if done:
-                conn.execute(store.render(DELETE_JOBS), {"ids": done}, prepare=False)
+                self.batches.forget_jobs(done, batch)
             if report.undispatched:
-                conn.execute(store.render(FAIL_JOBS), self._failure_params(report), prepare=False)
+                self.batches.fail_jobs(self._failure_params(report), batch)
         return report
 
     def _hand_over(self, job: Job) -> Undispatched | None:

@@ -1,5 +1,5 @@
 """Reconciliation of ``unknown`` keys: ``@idempotency.reconciler``, ``flask
-idempotency-reconcile`` and ``idempotency.resolve()`` (SPEC §9).
+idempotency-reconcile`` and ``idempotency.resolve()`` (README "When clients give up").
 
 A key is due as soon as it becomes ``unknown``. A batch reserves due keys (``FOR
 UPDATE SKIP LOCKED``, for the lease), then asks the reconciler about each outside any
@@ -27,7 +27,6 @@ from ..claim import derived_key
 from ..config import RouteSettings
 from ..model import KeyStatus, StoredResponse
 from ..state import IdempotencyState
-from ..store.statements_background import DUE_FOR_RECONCILE, RESCHEDULE
 from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
 
@@ -103,14 +102,9 @@ class Reconciliation:
         :raises StoreError: the store failed.
         """
         settings = self.state.settings
-        store = self.state.store
-        params = {
-            "max_attempts": settings.reconcile_max_attempts,
-            "limit": limit,
-            "hold": settings.route.lease,
-        }
-        with store.connection() as conn:
-            rows = conn.execute(store.render(DUE_FOR_RECONCILE), params).fetchall()
+        rows = self.state.batches.due_for_reconcile(
+            settings.reconcile_max_attempts, limit, settings.route.lease
+        )
         return [self._look(_unknown_key(row)) for row in rows]
 
     def _look(self, key: UnknownKey) -> Look:
@@ -154,23 +148,16 @@ class Reconciliation:
 
     def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Look:
         settings = self.state.settings
-        store = self.state.store
         text = None if error is None else _text(f"{type(error).__name__}: {error}")[:2000]
-        params = {
-            "tenant": key.tenant,
-            "key": key.key,
-            "attempt": key.attempt,
-            "generation": key.generation,
-            "looks": key.looks,
-            "backoff": settings.reconcile_backoff,
-            "cap": MAX_BACKOFF,
-            "error": text,
-        }
-        with store.connection() as conn:
-            row = conn.execute(store.render(RESCHEDULE), params).fetchone()
-        if row is None:
+        scheduled = self.state.batches.reschedule(
+            (key.tenant, key.key, key.attempt, key.generation, key.looks),
+            backoff=settings.reconcile_backoff,
+            cap=MAX_BACKOFF,
+            error=text,
+        )
+        if scheduled is None:
             return Look(key, "raced", "the key changed meanwhile")
-        looks, due_in = int(row[0]), float(row[1])
+        looks, due_in = scheduled
         who: dict[str, Any] = {"tenant": key.tenant, "key": key.key, "looks": looks}
         if looks >= settings.reconcile_max_attempts:
             logger.error(

@@ -1,6 +1,7 @@
 """The background processes' commands: ``flask idempotency-complete``,
-``flask idempotency-reconcile`` (SPEC §9) and ``flask idempotency-dispatch`` (SPEC §10),
-registered by ``init_app`` with the others.
+``flask idempotency-reconcile`` (README "When clients give up") and ``flask
+idempotency-dispatch`` (README "Work that outlives the request"), registered by
+``init_app`` with the others.
 
 Each runs once (every due key, batch after batch) or, with ``--loop SECONDS``, one
 bounded batch per tick until SIGTERM; both print a line per key and one per batch,
@@ -20,9 +21,8 @@ from flask.cli import with_appcontext
 from ..background.completer import Completer, summary
 from ..background.dispatch import Dispatcher
 from ..background.reconciler import Reconciliation
-from ..errors import StoreError
 from ..state import get_state
-from .loop import run_every
+from .loop import LOOP, Batch, one_line, run_batches
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -33,12 +33,7 @@ _LIMIT = click.option(
     show_default=True,
     help="Keys (or jobs) per batch.",
 )
-_LOOP = click.option(
-    "--loop",
-    "interval",
-    type=click.FloatRange(min=0.01, max=86_400),
-    help="Run one batch every SECONDS until SIGTERM, instead of once.",
-)
+_LOOP = LOOP
 
 
 @click.command(
@@ -62,12 +57,10 @@ def complete_command(
     state = get_state()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     age = timedelta(seconds=state.settings.complete_after if older_than is None else older_than)
-    completer = Completer(app, state.store, state.settings.route.lease)
+    completer = Completer(app, state.batches, state.settings.route.lease)
     if dry_run:
-        try:
+        with one_line():
             rows = completer.due(age, limit)
-        except StoreError as exc:
-            raise click.ClickException(str(exc)) from exc
         for row in rows:
             click.echo(
                 f"due tenant={row['tenant']!r} key={row['key']!r} status={row['status']}"
@@ -76,24 +69,16 @@ def complete_command(
         click.echo(f"dry run: {len(rows)} key(s) due")
         return
 
-    def tick() -> None:
-        seen: set[tuple[str, str]] = set()
-        while True:  # once: every due key; with --loop: one batch a tick
-            try:
-                reports = completer.run_batch(age, limit)
-            except StoreError as exc:
-                raise click.ClickException(str(exc)) from exc
-            for report in reports:
-                click.echo(report.line())
-            line = summary(reports)
-            click.echo(f"idempotency-complete: {line}")
-            logger.info("idempotency-complete batch: %s", line)
-            fresh = {(r.tenant, r.key) for r in reports} - seen
-            seen |= fresh
-            if interval is not None or len(reports) < limit or not fresh:
-                return
+    def batch() -> Batch:
+        reports = completer.run_batch(age, limit)
+        return Batch(
+            [report.line() for report in reports],
+            summary(reports),
+            frozenset((r.tenant, r.key) for r in reports),
+            full=len(reports) >= limit,
+        )
 
-    run_every(interval, tick)
+    run_batches("idempotency-complete", interval, batch)
 
 
 @click.command(
@@ -115,30 +100,24 @@ def reconcile_command(limit: int, interval: float | None) -> None:
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     reconciliation = Reconciliation(app, state, fn)
 
-    def tick() -> None:
-        seen: set[tuple[str, str]] = set()
-        while True:  # once: every due key; with --loop: one batch a tick
-            try:
-                looks = reconciliation.run_batch(limit)
-            except StoreError as exc:
-                raise click.ClickException(str(exc)) from exc
-            counts: dict[str, int] = {}
-            for look in looks:
-                click.echo(look.line())
-                counts[look.outcome] = counts.get(look.outcome, 0) + 1
-            line = f"{len(looks)} due: " + ", ".join(
-                f"{counts.get(name, 0)} {name}"
-                for name in OUTCOMES
-                if counts.get(name) or name in OUTCOMES[:3]
-            )
-            click.echo(f"idempotency-reconcile: {line}")
-            logger.info("idempotency-reconcile batch: %s", line)
-            fresh = {(look.key.tenant, look.key.key) for look in looks} - seen
-            seen |= fresh
-            if interval is not None or len(looks) < limit or not fresh:
-                return
+    def batch() -> Batch:
+        looks = reconciliation.run_batch(limit)
+        counts: dict[str, int] = {}
+        for look in looks:
+            counts[look.outcome] = counts.get(look.outcome, 0) + 1
+        line = f"{len(looks)} due: " + ", ".join(
+            f"{counts.get(name, 0)} {name}"
+            for name in OUTCOMES
+            if counts.get(name) or name in OUTCOMES[:3]
+        )
+        return Batch(
+            [look.line() for look in looks],
+            line,
+            frozenset((look.key.tenant, look.key.key) for look in looks),
+            full=len(looks) >= limit,
+        )
 
-    run_every(interval, tick)
+    run_batches("idempotency-reconcile", interval, batch)
 
 
 #: a reconcile batch's outcomes, in the order its summary line gives them
@@ -164,35 +143,26 @@ def dispatch_command(limit: int, interval: float | None) -> None:
         )
     settings = state.settings
     dispatcher = Dispatcher(
-        state.store,
+        state.batches,
         fn,
         backoff=settings.reconcile_backoff,
         max_attempts=settings.reconcile_max_attempts,
     )
 
-    def batch() -> None:
-        while True:  # once: every due job; with --loop: one batch a tick
-            try:
-                report = dispatcher.run_batch(limit)
-            except StoreError as exc:
-                raise click.ClickException(str(exc)) from exc
-            click.echo(
-                f"dispatched {report.dispatched} job(s); {report.failed} failed,"
-                f" {report.unknown} with a name no dispatcher knows"
-            )
-            for undispatched in report.undispatched:
-                job = undispatched.job
-                click.echo(f"  kept {job.id} {job.name!r} key={job.key!r}: {undispatched.reason}")
-            logger.info(
-                "idempotency-dispatch dispatched=%d failed=%d unknown=%d",
-                report.dispatched,
-                report.failed,
-                report.unknown,
-            )
-            if interval is not None or report.dispatched + len(report.undispatched) < limit:
-                return
+    def batch() -> Batch:
+        report = dispatcher.run_batch(limit)
+        kept = [
+            f"  kept {u.job.id} {u.job.name!r} key={u.job.key!r}: {u.reason}"
+            for u in report.undispatched
+        ]
+        line = (
+            f"dispatched {report.dispatched} job(s); {report.failed} failed,"
+            f" {report.unknown} with a name no dispatcher knows"
+        )
+        taken = frozenset([*report.ids, *(u.job.id for u in report.undispatched)])
+        return Batch(kept, line, taken, full=len(taken) >= limit)
 
-    run_every(interval, batch)
+    run_batches("idempotency-dispatch", interval, batch)
 
 
 COMMANDS = (complete_command, reconcile_command, dispatch_command)

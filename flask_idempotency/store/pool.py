@@ -133,6 +133,12 @@ def is_outage(exc: BaseException) -> bool:
     return sqlstate[:2] in _TRANSIENT_CLASSES
 
 
+def is_driver_outage(exc: BaseException) -> bool:
+    """True if *exc* is the driver's (a view's own statement on the claim's
+    connection) and says the database cannot be reached or cannot serve now."""
+    return isinstance(exc, psycopg.Error) and is_outage(exc)
+
+
 def is_prepared_statement_failure(exc: BaseException) -> bool:
     """True if *exc* is a prepared statement that a transaction pooler (PgBouncer
     before 1.21) lost or mixed up between its server connections: the statement

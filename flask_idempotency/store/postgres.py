@@ -14,10 +14,10 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors, sql
@@ -39,12 +39,14 @@ from .pool import (
 )
 from .rows import claim_outcome, response_params
 from .schema import Schema
-from .statement import Statement, execute
-from .statements_request import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
+from .statement import Rows, Statement, execute, fetch
+from .statements_request import ADVANCE, ASYNC_COMMIT, CLAIM, DEFER, FINISH, KEY_STATUS, STAGE_JOBS
 
 __all__ = ["PinnedConnection", "PostgresStore", "response_params", "store_errors"]
 
 logger = logging.getLogger("flask_idempotency")
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -104,10 +106,19 @@ class PostgresStore:
             for staging in (False, True)
         }
         self._notify = Statement(sql.SQL("SELECT {}").format(notify).as_string())
+        self._defers = {
+            staging: self.statement(_staging(DEFER) if staging else DEFER)
+            for staging in (False, True)
+        }
+        self._key_status = self.statement(KEY_STATUS)
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
         return sql.SQL(query).format(table=self.table, jobs=self.schema.jobs, **parts).as_string()
+
+    def statement(self, query: str, **parts: sql.Composable) -> Statement:
+        """*query*, rendered once, for :meth:`run` and :meth:`fetch`."""
+        return Statement(self.render(query, **parts))
 
     # -- connections ---------------------------------------------------------------
 
@@ -169,6 +180,17 @@ class PostgresStore:
                     self.schema.create(conn)
             self._schema_ready = True
 
+    def create_schema(self) -> bool:
+        """Create the tables, or upgrade tables made by an earlier release online;
+        False if they were there already (``flask idempotency-init``).
+
+        Not bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT``: an index built concurrently
+        on a big table takes as long as it takes; its waits on locks are bounded by
+        the schema's own ``lock_timeout``.
+        """
+        with self.pool.connection() as conn:
+            return self.schema.create(conn)
+
     def _recoverable(self, exc: BaseException | None) -> bool:
         """True if the statement that failed with *exc* never ran and can run again:
         a prepared statement a transaction pooler lost (the store switches to
@@ -213,7 +235,7 @@ class PostgresStore:
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
             **request_params(request),
         }
-        _, row = self._run(self._claim, params, pinned)
+        _, row = self.run(self._claim, params, pinned)
         assert row is not None
         return claim_outcome(row, fingerprint)
 
@@ -274,35 +296,112 @@ class PostgresStore:
         }
         if jobs:
             params.update(stage_params(jobs))
-        rowcount, _ = self._run(self._finishes[notify, bool(jobs)], params, pinned)
+        rowcount, _ = self.run(self._finishes[notify, bool(jobs)], params, pinned)
         return rowcount == 1
 
     def notify(self, tenant: str, key: str) -> None:
         """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
-        self._run(self._notify, {"lock_id": lock_id(tenant, key)})
+        self.run(self._notify, {"lock_id": lock_id(tenant, key)})
 
-    def _run(
+    def defer(
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        *,
+        jobs: Sequence[StagedJob] = (),
+        pinned: PinnedConnection | None = None,
+    ) -> None:
+        """Hand the claimed key to the background (``asynchronous=True``), with *jobs*;
+        with *pinned*, the deferral commits the claim's transaction."""
+        params: dict[str, Any] = {
+            "tenant": tenant,
+            "key": key,
+            "attempt": outcome.attempt,
+            "generation": outcome.generation,
+        }
+        if jobs:
+            params.update(stage_params(jobs))
+        self.run(self._defers[bool(jobs)], params, pinned)
+        if pinned is not None:
+            self.unpin(pinned, commit=True)
+
+    def key_status(self, tenant: str, key: str) -> tuple[KeyStatus, StoredResponse | None] | None:
+        """A key's status and stored response (the ``Location`` view); None if no such key."""
+        _, row = self.run(self._key_status, {"tenant": tenant, "key": key})
+        if row is None:
+            return None
+        status, code, headers, body = row
+        if code is None:
+            return KeyStatus(status), None
+        return KeyStatus(status), StoredResponse(
+            code, [(n, v) for n, v in headers or []], bytes(body or b"")
+        )
+
+    # -- the one execution path ------------------------------------------------------
+
+    def run(
         self,
         query: Statement,
         params: dict[str, Any],
         pinned: PinnedConnection | None = None,
+        *,
+        prepare: bool | None = None,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
-        its first row, if any. A statement that failed without running runs once
-        more."""
+        its first row, if any.
+
+        Every statement the package sends comes through here or :meth:`fetch`: the
+        pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
+        the statement, and one that failed without running (a prepared statement a
+        transaction pooler lost, a dropped table) runs once more. ``prepare=False``
+        never prepares it (a statement inside a longer transaction, whose failure
+        could not be retried alone).
+
+        :raises StoreError: the store failed.
+        """
+        return self._attempt(execute, query, params, pinned, prepare)
+
+    def fetch(
+        self,
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None = None,
+        *,
+        prepare: bool | None = None,
+    ) -> Rows:
+        """Run one statement as :meth:`run` does: every row it returned.
+
+        :raises StoreError: the store failed.
+        """
+        return self._attempt(fetch, query, params, pinned, prepare)
+
+    def _attempt(
+        self,
+        runner: Callable[[psycopg.Connection[Any], Statement, dict[str, Any], bool | None], _T],
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None,
+        prepare: bool | None,
+    ) -> _T:
         try:
-            return self._execute(query, params, pinned)
+            return self._execute(runner, query, params, pinned, prepare)
         except StoreError as exc:
             if pinned is not None or not self._recoverable(exc.__cause__):
                 raise
-        return self._execute(query, params, None)
+        return self._execute(runner, query, params, None, prepare)
 
     def _execute(
-        self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None
-    ) -> tuple[int, tuple[Any, ...] | None]:
+        self,
+        runner: Callable[[psycopg.Connection[Any], Statement, dict[str, Any], bool | None], _T],
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None,
+        prepare: bool | None,
+    ) -> _T:
         with self._connection_for(pinned) as conn:
             with bounded(conn, self.settings.statement_timeout):
-                return execute(conn, query, params, self._prepare)
+                return runner(conn, query, params, False if prepare is False else self._prepare)
 
     @contextmanager
     def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:

@@ -21,7 +21,7 @@ import psycopg
 from psycopg import errors, sql
 
 from ..keys import lock_id
-from .statements_request import (
+from .ddl import (
     ADD_COLUMN,
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,
@@ -83,7 +83,7 @@ class Schema:
         #: index name → its definition after ``ON``
         self.indexes = {f"{name}_{suffix}": INDEXES[suffix] for suffix in INDEXES}
         jobs_parts = jobs_table.split(".")
-        #: the staged jobs' table (SPEC §10), quoted as needed
+        #: the staged jobs' table (README "Work that outlives the request"), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
         jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""

@@ -1,13 +1,15 @@
-"""The SQL of the background processes of SPEC §9: the completer and the reconciler.
+"""The statements no client waits on: the completer's, the reconciler's and the
+dispatcher's batches, and the operators' (clean, list, show, resolve, count).
 
-Beside :mod:`.queries` (the request path's and the operators' statements), readable
-top to bottom; ``{table}`` is filled in with ``psycopg.sql.Identifier``, values are
-always bound parameters.
+Readable top to bottom; ``{table}`` and ``{jobs}`` are filled in with
+``psycopg.sql.Identifier``, values are always bound parameters.
+:class:`~.batches.Batches` and :class:`~.maintenance.Maintenance` render each once
+and run it through the store's one execution path.
 """
 
 from __future__ import annotations
 
-# -- the completer (SPEC §9) ----------------------------------------------------------------
+# -- the completer ----------------------------------------------------------------
 
 # One batch of keys whose client evidently gave up: claims of complete=True routes
 # abandoned past their lease, and retryable ones, untouched for longer than
@@ -78,24 +80,14 @@ KEY_STATE = """
 SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
 
-# -- asynchronous=True (SPEC §10) ---------------------------------------------------------
+# -- asynchronous=True ---------------------------------------------------------
 
 # A key an asynchronous route deferred to the background: processing, with no lease
 # (a client retry sees it in progress; no lease can run out) and due for the completer
 # at once, whatever --older-than says.
 DEFERRED = "(status = 'processing' AND locked_until IS NULL)"
 
-# The request that claimed the key hands it to the background instead of running the
-# view: no lease, and its attempt given back, so the run that takes it over is the
-# attempt the client's own would have been. Fenced like the finish.
-DEFER = """
-UPDATE {table}
-SET locked_until = NULL, attempt = attempt - 1, updated_at = now()
-WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
-  AND attempt = %(attempt)s AND generation = %(generation)s
-"""
-
-# -- reconciliation of unknown keys (SPEC §9) ---------------------------------------------
+# -- reconciliation of unknown keys ---------------------------------------------
 
 # One batch for a reconciler: unknown keys that are due and not exhausted, reserved
 # for `hold` (so reconcilers on several hosts share the work) and looked at outside
@@ -135,4 +127,114 @@ FROM {table}
 WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s
 ORDER BY updated_at
 LIMIT %(limit)s
+"""
+
+# -- staged jobs (the outbox) ----------------------------------------------------------------
+
+# One batch for a dispatcher: held by its row locks for as long as its transaction
+# lives, so a dispatcher that dies hands its batch back at once.
+DUE_JOBS = """
+SELECT id::text, name, payload, tenant, key, attempts FROM {jobs}
+WHERE NOT dead AND due_at <= now()
+ORDER BY due_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+DELETE_JOBS = "DELETE FROM {jobs} WHERE id = ANY(%(ids)s::uuid[])"
+
+# A failed hand-over: the n-th failure is retried after backoff × 2^(n−1), capped; a
+# job whose dispatcher failed max_attempts times is dead; a job whose name no
+# dispatcher knows backs off the same way but is never dead (never dropped).
+FAIL_JOBS = """
+UPDATE {jobs} AS j
+SET attempts = j.attempts + 1,
+    last_error = failed.error,
+    due_at = now() + least(%(backoff)s * 2 ^ least(j.attempts, 30), %(cap)s),
+    dead = failed.countable AND j.attempts + 1 >= %(max_attempts)s
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
+     AS failed (id, error, countable)
+WHERE j.id = failed.id
+"""
+
+LIST_JOBS = """
+SELECT id::text, tenant, key, name, attempts, dead, due_at, last_error,
+       now() - created_at AS age
+FROM {jobs}
+WHERE dead = %(dead)s OR (NOT %(dead)s AND last_error IS NOT NULL)
+ORDER BY created_at
+LIMIT %(limit)s
+"""
+
+# -- the operators ---------------------------------------------------------------------------
+
+DELETE_EXPIRED = """
+WITH doomed AS (
+    SELECT tenant, key FROM {table}
+    WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {table} AS k USING doomed
+WHERE k.tenant = doomed.tenant AND k.key = doomed.key
+"""
+
+COUNT_EXPIRED = """
+SELECT count(*) FROM {table}
+WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+"""
+
+MARK_ABANDONED = """
+WITH stale AS (
+    SELECT tenant, key FROM {table}
+    WHERE status = 'processing' AND locked_until <= now() - %(margin)s
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET status = %(status)s, locked_until = NULL, updated_at = now()
+FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+"""
+
+LIST_KEYS = """
+SELECT tenant, key, status, attempt, recovery_point, now() - created_at AS age,
+       locked_until, expires_at, response_status
+FROM {table}
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND created_at <= now() - %(older_than)s
+ORDER BY created_at
+LIMIT %(limit)s
+"""
+
+SHOW_KEY = """
+SELECT tenant, key, status, attempt, recovery_point, encode(fingerprint, 'hex') AS fingerprint,
+       created_at, updated_at, locked_until, expires_at,
+       response_status, response_headers, response_body
+FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+# Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler);
+# anything else is the extension's, and a completed key is never overwritten. The
+# reconciler's answer is fenced by the look it answers (attempt, generation, looks).
+RESOLVE_KEY = """
+UPDATE {table}
+SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locked_until = NULL,
+    response_status = %(response_status)s, response_headers = %(response_headers)s,
+    response_body = %(response_body)s,
+    request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
+    reconcile_attempts = 0, reconcile_due_at = NULL, reconcile_error = NULL
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
+  AND (%(looks)s::integer IS NULL
+       OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
+"""
+
+COUNT_STUCK = """
+SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
+       (SELECT count(*) FROM {table} WHERE status = 'unknown'),
+       (SELECT count(*) FROM {table}
+        WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
+"""
+
+COUNT_ABANDONED = """
+SELECT count(*) FROM {table}
+WHERE status = 'processing' AND locked_until <= now() - %(margin)s
 """
