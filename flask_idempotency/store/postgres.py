@@ -432,7 +432,7 @@ class PostgresStore:
             with store_errors(), bounded(conn, self.settings.statement_timeout):
                 if commit:
                     conn.commit()
-                else:
+                elif not conn.closed:  # closed (a statement timed out): nothing to undo
                     conn.rollback()
         finally:
             if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
