@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -13,7 +13,7 @@ from werkzeug.local import LocalProxy
 
 from .config import RouteSettings
 from .jobs import StagedJob, staged_job
-from .model import ClaimOutcome
+from .model import ClaimOutcome, KeyStatus, StoredResponse
 
 if TYPE_CHECKING:
     import psycopg
@@ -180,3 +180,29 @@ def _current() -> ClaimedKey:
 
 #: The :class:`ClaimedKey` of the running idempotent view.
 current_idempotency: ClaimedKey = cast(ClaimedKey, LocalProxy(_current))
+
+
+def finish_attempt(
+    claim: ClaimedKey,
+    status: KeyStatus,
+    response: StoredResponse | None = None,
+    *,
+    jobs: Sequence[StagedJob] = (),
+    pinned: PinnedConnection | None = None,
+) -> bool:
+    """End *claim*'s attempt with *status* (one fenced UPDATE, waking waiting twins when
+    the route waits): False if a newer attempt owns the key.
+
+    :raises StoreError: the store failed.
+    """
+    return claim.store.finish(
+        claim.tenant,
+        claim.key,
+        claim.outcome,
+        status,
+        ttl=claim.settings.ttl,
+        response=response,
+        notify=claim.settings.wait > 0,
+        jobs=jobs,
+        pinned=pinned,
+    )

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from flask import current_app
 
 from .answers import decision_signals
-from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
+from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim, set_claim
 from .config import RouteSettings
 from .errors import (
     FingerprintMismatch,
@@ -152,16 +152,7 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
     """One fenced UPDATE; the jobs staged outside phases commit only with a result."""
     jobs = claim.jobs if response is not None and response.status == RESULT_STATUS else []
     try:
-        owned = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            status,
-            ttl=claim.settings.ttl,
-            response=response,
-            notify=claim.settings.wait > 0,
-            jobs=jobs,
-        )
+        owned = finish_attempt(claim, status, response, jobs=jobs)
     except StoreError as exc:
         logger.error("decision=store_failed consumer key=%r error=%s", claim.key, exc)
         raise

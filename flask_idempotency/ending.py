@@ -18,7 +18,7 @@ from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 
 from . import signals
-from .claim import ClaimedKey, peek_claim, pop_claim
+from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim
 from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
 from .jobs import StagedJob
 from .keys import tenant_tag
@@ -199,18 +199,8 @@ def _end_attempt(claim: ClaimedKey, ending: Ending) -> None:
     key stays ``processing`` until its lease ends, and then
     ``IDEMPOTENCY_ON_ABANDONED`` decides.
     """
-    settings = claim.settings
     try:
-        owned = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            ending.status,
-            ttl=settings.ttl,
-            response=ending.stored,
-            notify=settings.wait > 0,
-            jobs=ending.jobs,
-        )
+        owned = finish_attempt(claim, ending.status, ending.stored, jobs=ending.jobs)
     except StoreError as exc:
         _report_store_failure(claim, exc)
         return
@@ -244,17 +234,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending) -> bool:
 def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
     """Store the response in the pinned transaction and commit it with the view's writes."""
     try:
-        claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            KeyStatus.COMPLETED,
-            ttl=claim.settings.ttl,
-            response=ending.stored,
-            notify=claim.settings.wait > 0,
-            jobs=ending.jobs,
-            pinned=pinned,
-        )
+        finish_attempt(claim, KeyStatus.COMPLETED, ending.stored, jobs=ending.jobs, pinned=pinned)
     except StoreError:
         claim.store.unpin(pinned, commit=False)  # returns the connection in any case
         raise

@@ -63,9 +63,7 @@ class IdempotencyState:
     def waiter(self) -> CompletionWaiter:
         """This process's listener for finished keys, made on first use."""
         if self._waiter is None or self._waiter_pid != os.getpid():
-            conninfo = self.settings.listen_database_url or self.store.pool.conninfo
-            if callable(conninfo):
-                conninfo = conninfo()
+            conninfo = self.settings.listen_database_url or self.store.conninfo
             self._waiter = CompletionWaiter(
                 conninfo, self.store.channel, self.settings.pool_timeout
             )

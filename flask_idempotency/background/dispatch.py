@@ -20,6 +20,9 @@ from typing import Any
 from ..jobs import Job
 from ..keys import tenant_tag
 from ..store.batches import Batches
+from ..store.rows import storable_text
+from .report import Outcome
+from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -40,27 +43,8 @@ class Undispatched:
     counts: bool
 
 
-@dataclasses.dataclass
-class BatchReport:
-    """What one dispatch batch did."""
-
-    #: the ids of the jobs handed over (and forgotten)
-    ids: list[str] = dataclasses.field(default_factory=list)
-    #: every job that was not dispatched, and why
-    undispatched: list[Undispatched] = dataclasses.field(default_factory=list)
-
-    @property
-    def dispatched(self) -> int:
-        """How many jobs were handed over."""
-        return len(self.ids)
-
-    @property
-    def failed(self) -> int:
-        return sum(1 for u in self.undispatched if u.counts)
-
-    @property
-    def unknown(self) -> int:
-        return sum(1 for u in self.undispatched if not u.counts)
+#: a dispatch batch's outcomes, in the order its summary line gives them
+DISPATCHED, FAILED, UNKNOWN_NAME = "dispatched", "failed", "unknown_name"
 
 
 class Dispatcher:
@@ -79,28 +63,31 @@ class Dispatcher:
         self.backoff = backoff
         self.max_attempts = max_attempts
 
-    def run_batch(self, limit: int) -> BatchReport:
+    def run_batch(self, limit: int) -> list[Outcome]:
         """Lock up to *limit* due jobs, hand each over, then forget the dispatched ones
-        and reschedule the others, all in one transaction.
+        and reschedule the others, all in one transaction: what became of each.
 
         :raises StoreError: the store failed; nothing was forgotten.
         """
-        report = BatchReport()
+        outcomes: list[Outcome] = []
         with self.batches.due_jobs(limit) as (rows, batch):
             done: list[str] = []
+            kept: list[Undispatched] = []
             for row in rows:
                 job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
                 undispatched = self._hand_over(job)
                 if undispatched is None:
                     done.append(job.id)
+                    outcomes.append(_outcome(job, DISPATCHED))
                 else:
-                    report.undispatched.append(undispatched)
-            report.ids = done
+                    kept.append(undispatched)
+                    name = FAILED if undispatched.counts else UNKNOWN_NAME
+                    outcomes.append(_outcome(job, name, undispatched.reason))
             if done:
                 self.batches.forget_jobs(done, batch)
-            if report.undispatched:
-                self.batches.fail_jobs(self._failure_params(report), batch)
-        return report
+            if kept:
+                self.batches.fail_jobs(self._failure_params(kept), batch)
+        return outcomes
 
     def _hand_over(self, job: Job) -> Undispatched | None:
         """Dispatch one job; None once the dispatcher accepted it."""
@@ -124,20 +111,25 @@ class Dispatcher:
                 job.attempts + 1,
                 traceback.format_exc(),
             )
-            return Undispatched(job, _text(f"{type(exc).__name__}: {exc}")[:2000], True)
+            return Undispatched(job, storable_text(f"{type(exc).__name__}: {exc}")[:2000], True)
         return None
 
-    def _failure_params(self, report: BatchReport) -> dict[str, Any]:
+    def _failure_params(self, kept: list[Undispatched]) -> dict[str, Any]:
         return {
-            "ids": [u.job.id for u in report.undispatched],
-            "errors": [u.reason for u in report.undispatched],
-            "countable": [u.counts for u in report.undispatched],
+            "ids": [u.job.id for u in kept],
+            "errors": [u.reason for u in kept],
+            "countable": [u.counts for u in kept],
             "backoff": self.backoff,
             "cap": MAX_BACKOFF,
             "max_attempts": self.max_attempts,
         }
 
 
-def _text(message: str) -> str:
-    """*message* as PostgreSQL text can hold it (no NUL, no lone surrogates)."""
-    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+def summary(outcomes: list[Outcome]) -> str:
+    """One line for a batch: how many jobs were handed over, how many kept."""
+    return report_summary(outcomes, (DISPATCHED, FAILED), (UNKNOWN_NAME,))
+
+
+def _outcome(job: Job, outcome: str, reason: str = "") -> Outcome:
+    detail = f"job {job.id} {job.name!r}" + (f": {reason}" if reason else "")
+    return Outcome(job.tenant, job.key, outcome, job.attempts + 1, detail, job.id)

@@ -27,8 +27,11 @@ from ..claim import derived_key
 from ..config import RouteSettings
 from ..model import KeyStatus, StoredResponse
 from ..state import IdempotencyState
+from ..store.rows import is_storable_text, storable_text
 from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
+from .report import Outcome
+from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -73,21 +76,6 @@ class UnknownKey:
 ReconcileFunction = Callable[[UnknownKey], Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class Look:
-    """What one look at one key did."""
-
-    key: UnknownKey
-    #: ``completed``, ``retryable``, ``undecided``, ``error``, ``exhausted`` or ``raced``
-    outcome: str
-    detail: str = ""
-
-    def line(self) -> str:
-        """The line printed for it."""
-        text = f"{self.outcome} tenant={self.key.tenant!r} key={self.key.key!r}"
-        return f"{text}: {self.detail}" if self.detail else text
-
-
 class Reconciliation:
     """Runs batches of due ``unknown`` keys of *state*'s app past *reconcile*."""
 
@@ -96,7 +84,7 @@ class Reconciliation:
         self.state = state
         self.reconcile = reconcile
 
-    def run_batch(self, limit: int) -> list[Look]:
+    def run_batch(self, limit: int) -> list[Outcome]:
         """Reserve up to *limit* due keys and look at each.
 
         :raises StoreError: the store failed.
@@ -107,7 +95,7 @@ class Reconciliation:
         )
         return [self._look(_unknown_key(row)) for row in rows]
 
-    def _look(self, key: UnknownKey) -> Look:
+    def _look(self, key: UnknownKey) -> Outcome:
         try:
             answer = contextvars.Context().run(self._ask, key)
             if answer is None:
@@ -131,7 +119,9 @@ class Reconciliation:
         with self.app.app_context():
             return self.reconcile(key)
 
-    def _resolve(self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None) -> Look:
+    def _resolve(
+        self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None
+    ) -> Outcome:
         changed = self.state.maintenance.resolve(
             key.tenant,
             key.key,
@@ -141,14 +131,14 @@ class Reconciliation:
             fence=(key.attempt, key.generation, key.looks),
         )
         if not changed:
-            return Look(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
+            return _outcome(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
         announce_resolved(self.app, key.tenant, key.key, status, "reconciler")
         detail = f"status {stored.status}" if stored is not None else ""
-        return Look(key, status.value, detail)
+        return _outcome(key, status.value, detail)
 
-    def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Look:
+    def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Outcome:
         settings = self.state.settings
-        text = None if error is None else _text(f"{type(error).__name__}: {error}")[:2000]
+        text = None if error is None else storable_text(f"{type(error).__name__}: {error}")[:2000]
         scheduled = self.state.batches.reschedule(
             (key.tenant, key.key, key.attempt, key.generation, key.looks),
             backoff=settings.reconcile_backoff,
@@ -156,7 +146,7 @@ class Reconciliation:
             error=text,
         )
         if scheduled is None:
-            return Look(key, "raced", "the key changed meanwhile")
+            return _outcome(key, "raced", "the key changed meanwhile")
         looks, due_in = scheduled
         who: dict[str, Any] = {"tenant": key.tenant, "key": key.key, "looks": looks}
         if looks >= settings.reconcile_max_attempts:
@@ -168,11 +158,11 @@ class Reconciliation:
                 looks,
             )
             signals.reconcile_exhausted.send(self.app, **who)
-            return Look(key, "exhausted", f"after {looks} undecided looks")
+            return _outcome(key, "exhausted", f"after {looks} undecided looks")
         signals.reconcile_scheduled.send(self.app, **who, due_in=due_in, error=error)
         outcome = "undecided" if error is None else "error"
         detail = f"look {looks} of {settings.reconcile_max_attempts}; next in {due_in:.1f}s"
-        return Look(key, outcome, detail + (f" ({text})" if text else ""))
+        return _outcome(key, outcome, detail + (f" ({text})" if text else ""))
 
 
 def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
@@ -211,7 +201,7 @@ def resolve(
     """See :meth:`.Idempotency.resolve`."""
     if (response is None) == (not retryable):
         raise TypeError("resolve() takes response=... or retryable=True (one of them)")
-    if not (_text_ok(tenant) and _text_ok(key)):
+    if not (is_storable_text(tenant) and is_storable_text(key)):
         return False  # no key can have such a name
     status = KeyStatus.RETRYABLE if retryable else KeyStatus.COMPLETED
     stored = None if retryable else storable(app, response, state.settings.route)
@@ -230,6 +220,19 @@ def announce_resolved(app: Flask, tenant: str, key: str, status: KeyStatus, sour
     signals.reconcile_resolved.send(app, tenant=tenant, key=key, status=status.value, source=source)
 
 
+def _outcome(key: UnknownKey, outcome: str, detail: str = "") -> Outcome:
+    return Outcome(key.tenant, key.key, outcome, detail=detail)
+
+
+#: a reconcile batch's outcomes, in the order its summary line gives them
+OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced")
+
+
+def summary(looks: list[Outcome]) -> str:
+    """One line for a batch: how many keys ended how."""
+    return report_summary(looks, OUTCOMES[:3], OUTCOMES[3:])
+
+
 def _unknown_key(row: tuple[Any, ...]) -> UnknownKey:
     tenant, key, attempt, generation, point, looks, document, body = row
     try:
@@ -237,12 +240,3 @@ def _unknown_key(row: tuple[Any, ...]) -> UnknownKey:
     except ValueError:
         request = None  # a tampered stored request: the reconciler decides without it
     return UnknownKey(tenant, key, attempt, generation, point, looks, request)
-
-
-def _text_ok(value: Any) -> bool:
-    """*value* is text PostgreSQL can hold (no NUL, no lone surrogate)."""
-    return isinstance(value, str) and "\x00" not in value and value == _text(value)
-
-
-def _text(message: str) -> str:
-    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()

@@ -12,6 +12,7 @@ bad key.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import click
@@ -20,7 +21,10 @@ from flask.cli import with_appcontext
 
 from ..background.completer import Completer, summary
 from ..background.dispatch import Dispatcher
+from ..background.dispatch import summary as dispatch_summary
 from ..background.reconciler import Reconciliation
+from ..background.reconciler import summary as reconcile_summary
+from ..background.report import Outcome
 from ..state import get_state
 from .loop import LOOP, Batch, one_line, run_batches
 
@@ -70,13 +74,7 @@ def complete_command(
         return
 
     def batch() -> Batch:
-        reports = completer.run_batch(age, limit)
-        return Batch(
-            [report.line() for report in reports],
-            summary(reports),
-            frozenset((r.tenant, r.key) for r in reports),
-            full=len(reports) >= limit,
-        )
+        return _batch(completer.run_batch(age, limit), summary, limit)
 
     run_batches("idempotency-complete", interval, batch)
 
@@ -101,27 +99,9 @@ def reconcile_command(limit: int, interval: float | None) -> None:
     reconciliation = Reconciliation(app, state, fn)
 
     def batch() -> Batch:
-        looks = reconciliation.run_batch(limit)
-        counts: dict[str, int] = {}
-        for look in looks:
-            counts[look.outcome] = counts.get(look.outcome, 0) + 1
-        line = f"{len(looks)} due: " + ", ".join(
-            f"{counts.get(name, 0)} {name}"
-            for name in OUTCOMES
-            if counts.get(name) or name in OUTCOMES[:3]
-        )
-        return Batch(
-            [look.line() for look in looks],
-            line,
-            frozenset((look.key.tenant, look.key.key) for look in looks),
-            full=len(looks) >= limit,
-        )
+        return _batch(reconciliation.run_batch(limit), reconcile_summary, limit)
 
     run_batches("idempotency-reconcile", interval, batch)
-
-
-#: a reconcile batch's outcomes, in the order its summary line gives them
-OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced")
 
 
 #: the commands of this module, registered with cli.COMMANDS
@@ -150,19 +130,19 @@ def dispatch_command(limit: int, interval: float | None) -> None:
     )
 
     def batch() -> Batch:
-        report = dispatcher.run_batch(limit)
-        kept = [
-            f"  kept {u.job.id} {u.job.name!r} key={u.job.key!r}: {u.reason}"
-            for u in report.undispatched
-        ]
-        line = (
-            f"dispatched {report.dispatched} job(s); {report.failed} failed,"
-            f" {report.unknown} with a name no dispatcher knows"
-        )
-        taken = frozenset([*report.ids, *(u.job.id for u in report.undispatched)])
-        return Batch(kept, line, taken, full=len(taken) >= limit)
+        return _batch(dispatcher.run_batch(limit), dispatch_summary, limit)
 
     run_batches("idempotency-dispatch", interval, batch)
 
 
 COMMANDS = (complete_command, reconcile_command, dispatch_command)
+
+
+def _batch(outcomes: list[Outcome], summary: Callable[[list[Outcome]], str], limit: int) -> Batch:
+    """A runner's batch as the loop prints it: a line per key (or job), the summary."""
+    return Batch(
+        [outcome.line() for outcome in outcomes],
+        summary(outcomes),
+        frozenset(outcome.subject for outcome in outcomes),
+        full=len(outcomes) >= limit,
+    )

@@ -138,6 +138,12 @@ class PostgresStore:
                 self._schema_ready = False
             return self._pool
 
+    @property
+    def conninfo(self) -> str:
+        """The pool's connection string (for the listener's own connection)."""
+        conninfo = self.pool.conninfo
+        return conninfo() if callable(conninfo) else conninfo
+
     def _checkout(self) -> psycopg.Connection[Any]:
         """A connection from the pool, once the schema is there; StoreError if none comes."""
         pool = self.pool

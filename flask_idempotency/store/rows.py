@@ -44,3 +44,13 @@ def claim_outcome(row: tuple[Any, ...], fingerprint: bytes) -> ClaimOutcome:
             decision, attempt=seen_attempt, response=response, expires_in=float(expires_in)
         )
     return ClaimOutcome(decision, attempt=seen_attempt or 0)
+
+
+def storable_text(message: str) -> str:
+    """*message* as PostgreSQL text can hold it: NUL and lone surrogates escaped."""
+    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+
+
+def is_storable_text(value: Any) -> bool:
+    """*value* is text PostgreSQL can hold as it is (no NUL, no lone surrogate)."""
+    return isinstance(value, str) and value == storable_text(value)
