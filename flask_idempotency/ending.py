@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 from typing import Any
 
 from flask import Flask, Response, current_app
@@ -19,6 +20,7 @@ from werkzeug.exceptions import InternalServerError
 
 from . import signals
 from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim
+from .config import RouteSettings
 from .errors import ProblemError, ResponseNotStorable, StoreError, StoreUnavailable
 from .jobs import StagedJob
 from .keys import tenant_tag
@@ -28,6 +30,9 @@ from .store.pool import is_driver_outage
 from .store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
+
+#: an HTTP header name (RFC 9110 token)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,30 +140,58 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
         unknown = settings.on_exception == "unknown" and not transactional
         status = KeyStatus.UNKNOWN if unknown else KeyStatus.RETRYABLE
         return Ending(status, f"exception {type(exception).__name__}")
-    nothing = "; nothing was committed" if transactional else ""
-    if _truly_streamed(response):
+    try:
+        stored = stored_response(response, settings)
+    except NotStorable as exc:
+        nothing = "; nothing was committed" if transactional else ""
         return Ending(
-            KeyStatus.UNKNOWN,
-            "streamed response",
-            refusal="The view returned a streamed response, which cannot be stored for"
-            f" replay{nothing}. Idempotent views must return a complete body.",
+            KeyStatus.UNKNOWN, exc.reason, refusal=exc.refusal.replace("{nothing}", nothing)
         )
-    body = _body_within(response, settings.max_response_bytes)
+    # A view that raised stages nothing, even when its 500 is stored (README "Work that
+    # outlives the request").
+    jobs = tuple(claim.jobs) if exception is None else ()
+    return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
+
+
+class NotStorable(ValueError):
+    """A response that cannot be stored for replay: why (:attr:`reason`, for the log)
+    and what the client is told instead (:attr:`refusal`)."""
+
+    def __init__(self, reason: str, refusal: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        #: the problem's detail; ``{nothing}`` is where "nothing was committed" goes
+        self.refusal = refusal
+
+
+def stored_response(response: Response, settings: RouteSettings) -> StoredResponse:
+    """*response* as it is stored for replay: the status, the headers but the route's
+    unstored ones, the body. The one way a view's (or a reconciler's) response is stored.
+
+    :raises NotStorable: a streamed body, a body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``,
+        or a header that cannot be sent to a client.
+    """
+    if _truly_streamed(response):
+        raise NotStorable(
+            "streamed response",
+            "The view returned a streamed response, which cannot be stored for"
+            " replay{nothing}. Idempotent views must return a complete body.",
+        )
+    limit = settings.max_response_bytes
+    body = _body_within(response, limit)
     if body is None:
-        return Ending(
-            KeyStatus.UNKNOWN,
-            f"response of more than {settings.max_response_bytes} bytes",
-            refusal="The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
-            f" ({settings.max_response_bytes}){nothing}.",
+        raise NotStorable(
+            f"response of more than {limit} bytes",
+            f"The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES ({limit}){{nothing}}.",
         )
     headers = [
         (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
-    # A view that raised stages nothing, even when its 500 is stored (README "Work that
-    # outlives the request").
-    jobs = tuple(claim.jobs) if exception is None else ()
-    stored = StoredResponse(response.status_code, headers, body)
-    return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
+            text = f"the header {name!r}: {value!r:.80} cannot be sent to a client"
+            raise NotStorable(text, f"The response's {text[4:]}{{nothing}}.")
+    return StoredResponse(response.status_code, headers, body)
 
 
 def _truly_streamed(response: Response) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from flask import Flask, Response
 from .. import signals
 from ..claim import derived_key
 from ..config import RouteSettings
+from ..ending import NotStorable, stored_response
 from ..model import KeyStatus, StoredResponse
 from ..state import IdempotencyState
 from ..store.rows import is_storable_text, storable_text
@@ -34,9 +34,6 @@ from .report import Outcome
 from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
-
-#: an HTTP header name (RFC 9110 token)
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class _Retryable:
@@ -166,28 +163,20 @@ class Reconciliation:
 
 
 def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
-    """*answer* (anything a view may return) as the response to store for replay.
+    """*answer* (anything a view may return) as the response to store for replay, with
+    the checks a view's response gets (:func:`.ending.stored_response`).
 
-    :raises ValueError: it is not a response, or it cannot be stored (a passthrough
-        file, a body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``).
+    :raises ValueError: it is not a response, or it cannot be stored (a streamed body, a
+        body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``, a header no client can get).
     """
     try:
         response: Response = app.make_response(answer)
-        body = response.get_data()  # a generator is run to its end: nobody streams it
     except (TypeError, RuntimeError) as exc:
         raise ValueError(f"not a response that can be stored: {exc}") from None
-    if len(body) > settings.max_response_bytes:
-        raise ValueError(
-            f"a response of {len(body)} bytes exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
-            f" ({settings.max_response_bytes})"
-        )
-    headers = [
-        (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
-    ]
-    for name, value in headers:
-        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
-            raise ValueError(f"the header {name!r}: {value!r:.80} cannot be sent to a client")
-    return StoredResponse(response.status_code, headers, body)
+    try:
+        return stored_response(response, settings)
+    except NotStorable as exc:
+        raise ValueError(exc.reason) from None
 
 
 def resolve(
