@@ -194,6 +194,23 @@ def stored_response(response: Response, settings: RouteSettings) -> StoredRespon
     return StoredResponse(response.status_code, headers, body)
 
 
+def stored_answer(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
+    """*answer* (anything a view may return) as the response to store for replay, with
+    the checks a view's response gets (:func:`stored_response`).
+
+    :raises ValueError: it is not a response, or it cannot be stored (a streamed body, a
+        body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``, a header no client can get).
+    """
+    try:
+        response: Response = app.make_response(answer)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"not a response that can be stored: {exc}") from None
+    try:
+        return stored_response(response, settings)
+    except NotStorable as exc:
+        raise ValueError(exc.reason) from None
+
+
 def _truly_streamed(response: Response) -> bool:
     """A generator body or a file passed through: storing it would change what the
     client gets (an endless stream, a file read later). Other iterables, such as

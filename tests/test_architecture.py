@@ -110,6 +110,13 @@ def test_the_background_has_no_sql_and_no_http() -> None:
             continue
         own, outside = _imports(name, tree)
         bad = (own & forbidden) | (outside & {*DRIVER, "werkzeug"})
+        bad |= {
+            f"flask.{alias.name}"
+            for node in _runtime_nodes(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "flask"
+            for alias in node.names
+            if alias.name in {"request", "Response", "make_response", "jsonify", "abort"}
+        }
         if bad:
             offenders[name] = sorted(bad)
     assert offenders == {}

@@ -19,12 +19,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask, Response
+from flask import Flask
 
 from .. import signals
 from ..claim import derived_key
-from ..config import RouteSettings
-from ..ending import NotStorable, stored_response
+from ..ending import stored_answer
 from ..model import KeyStatus, StoredResponse
 from ..state import IdempotencyState
 from ..store.rows import is_storable_text, storable_text
@@ -99,7 +98,7 @@ class Reconciliation:
                 return self._reschedule(key, None)
             if answer is RETRYABLE:
                 return self._resolve(key, KeyStatus.RETRYABLE, None)
-            stored = storable(self.app, answer, self.state.settings.route)
+            stored = stored_answer(self.app, answer, self.state.settings.route)
         except Exception as exc:
             logger.error(
                 "reconcile=error tenant=%r key=%r look=%d: the reconciler failed\n%s",
@@ -162,23 +161,6 @@ class Reconciliation:
         return _outcome(key, outcome, detail + (f" ({text})" if text else ""))
 
 
-def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
-    """*answer* (anything a view may return) as the response to store for replay, with
-    the checks a view's response gets (:func:`.ending.stored_response`).
-
-    :raises ValueError: it is not a response, or it cannot be stored (a streamed body, a
-        body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``, a header no client can get).
-    """
-    try:
-        response: Response = app.make_response(answer)
-    except (TypeError, RuntimeError) as exc:
-        raise ValueError(f"not a response that can be stored: {exc}") from None
-    try:
-        return stored_response(response, settings)
-    except NotStorable as exc:
-        raise ValueError(exc.reason) from None
-
-
 def resolve(
     app: Flask,
     state: IdempotencyState,
@@ -193,7 +175,7 @@ def resolve(
     if not (is_storable_text(tenant) and is_storable_text(key)):
         return False  # no key can have such a name
     status = KeyStatus.RETRYABLE if retryable else KeyStatus.COMPLETED
-    stored = None if retryable else storable(app, response, state.settings.route)
+    stored = None if retryable else stored_answer(app, response, state.settings.route)
     ttl = state.settings.route.ttl
     if not state.maintenance.resolve(tenant, key, status, ttl=ttl, response=stored):
         return False

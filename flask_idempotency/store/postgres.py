@@ -156,8 +156,11 @@ class PostgresStore:
         return conn
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection for one unit of work; store failures become StoreError."""
+    def _pooled(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for one statement (:meth:`_execute` bounds it); store
+        failures become StoreError. Nothing else gets a connection of the pool but
+        :meth:`pin` (a transaction whose statements go through :meth:`run`) and
+        :meth:`phase` (the view's own block)."""
         conn = self._checkout()
         # getconn/putconn, not pool.connection(): in autocommit there is nothing to end
         try:
@@ -412,7 +415,7 @@ class PostgresStore:
     @contextmanager
     def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
         if pinned is None:
-            with self.connection() as conn:
+            with self._pooled() as conn:
                 yield conn
         else:
             with store_errors():
