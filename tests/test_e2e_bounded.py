@@ -34,7 +34,7 @@ from gunicorn_server import ROOT, TESTS, GunicornServer, Response, wait_until
 from psycopg.rows import TupleRow
 from tcpproxy import TcpProxy
 
-from flask_idempotency import Idempotency, StoreError
+from flask_idempotency import Idempotency, RequestInProgress, StoreError
 
 DB = psycopg.Connection[TupleRow]
 TIMEOUT = 1.0  # IDEMPOTENCY_POOL_TIMEOUT and IDEMPOTENCY_STATEMENT_TIMEOUT
@@ -212,6 +212,10 @@ def _run_once_or_none(idempotency: Idempotency, fn: Callable[[str], Any], key: s
         return idempotency.run_once(f"{TOKEN}-{key}", fn, key)
     except StoreError:
         return None  # the pool is still reconnecting
+    except RequestInProgress:
+        # The claim sent into the partition reached the database when it healed: the
+        # queue delivers the message again once its lease (2 s) ran out.
+        return None
 
 
 class Loop:
