@@ -26,7 +26,7 @@ from flask import Flask
 from flask_idempotency import Idempotency
 from flask_idempotency.encryption import Fernet
 from flask_idempotency.model import StoredResponse
-from flask_idempotency.sealing import AtRest
+from flask_idempotency.store.sealing import AtRest
 
 RESPONSE = {
     "id": "pay_" + "7" * 24,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pgserver import PostgresServer  # noqa: E402
 
 from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.operations import Operations  # noqa: E402
+from flask_idempotency.store.operations import Operations  # noqa: E402
 
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,

@@ -20,7 +20,7 @@ from bench.app import create_app
 from bench.common import BENCH, BODY, DATABASE, MIMETYPE, BenchError, percentile
 from bench.servers import Postgres, Processes
 from flask_idempotency.fingerprint import fingerprint
-from flask_idempotency.queries import CLAIM, FINISH
+from flask_idempotency.store.statements_request import CLAIM, FINISH
 
 
 def wrk_command(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import signals
+from .background.reconciler import RETRYABLE, UnknownKey
 from .claim import ClaimedKey, current_idempotency
 from .consumer import StoredFailure
 from .errors import (
@@ -14,6 +15,7 @@ from .errors import (
     IdempotencyError,
     InvalidKey,
     InvalidTenant,
+    KeyNotFound,
     MissingKey,
     OutcomeUnknown,
     ProblemError,
@@ -27,7 +29,6 @@ from .errors import (
 from .extension import Idempotency
 from .jobs import Job
 from .model import KeyStatus
-from .reconciler import RETRYABLE, UnknownKey
 from .rerun import completing
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidKey",
     "InvalidTenant",
     "Job",
+    "KeyNotFound",
     "KeyStatus",
     "MissingKey",
     "OutcomeUnknown",
@@ -53,8 +55,8 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",
-    "UnknownKey",
     "StoredFailure",
+    "UnknownKey",
     "completing",
     "current_idempotency",
     "signals",

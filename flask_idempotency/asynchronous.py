@@ -13,21 +13,29 @@ stored response.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from flask import Flask, Response, request
 
 from .answers import accepted, replay
 from .config import RouteSettings
-from .errors import KeyNotFound, OutcomeUnknown, ProblemError
-from .jobs import StagedJob, stage_params, staged_job
+from .errors import (
+    KeyNotFound,
+    OutcomeUnknown,
+    ProblemError,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
+from .jobs import StagedJob, staged_job
 from .keys import load_tenant, parse_key
-from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
-from .postgres import PinnedConnection, store_errors
-from .queries import STAGE_JOBS
-from .queries_background import DEFER
+from .model import ClaimOutcome, Decision, KeyStatus
 from .state import IdempotencyState, get_state
+
+if TYPE_CHECKING:
+    from .store.postgres import PinnedConnection
+from .store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -50,7 +58,7 @@ def answer_asynchronous(
     """202 for a key this request claimed (deferred now) or one still running; None
     for every other decision (a replay, a mismatch, ``unknown``), answered as usual."""
     if outcome.owns_key:
-        defer(state, tenant, key, outcome, pinned)
+        defer(state, settings, tenant, key, outcome, pinned)
     elif outcome.decision is not Decision.IN_PROGRESS:
         return None
     return accepted(settings, _WORKING, status_location(state, key))
@@ -58,6 +66,7 @@ def answer_asynchronous(
 
 def defer(
     state: IdempotencyState,
+    settings: RouteSettings,
     tenant: str,
     key: str,
     outcome: ClaimOutcome,
@@ -66,25 +75,21 @@ def defer(
     """Hand the claimed key to the background, in one statement (with the job that
     runs it, when the dispatcher runs keys).
 
-    :raises StoreError: the store failed (the key's lease then runs out as for a crash).
+    :raises StoreUnavailable: the store failed (the key's lease then runs out as for
+        a crash, and the completer takes it); the client retries.
     """
     jobs = _run_key_jobs(state, tenant, key)
-    query = DEFER if not jobs else f"WITH ended AS ({DEFER} RETURNING 1)" + STAGE_JOBS
-    params: dict[str, Any] = {
-        "tenant": tenant,
-        "key": key,
-        "attempt": outcome.attempt,
-        "generation": outcome.generation,
-        **stage_params(jobs),
-    }
-    store = state.store
-    if pinned is not None:  # a transactional route: the claim commits with the deferral
-        with store_errors():
-            pinned.conn.execute(store.render(query), params)
-        store.unpin(pinned, commit=True)
-    else:
-        with store.connection() as conn:
-            conn.execute(store.render(query), params)
+    try:
+        state.store.defer(tenant, key, outcome, jobs=jobs, pinned=pinned)
+    except StoreError as exc:
+        if pinned is not None:
+            state.store.unpin(pinned, commit=False)
+        logger.error("decision=store_unavailable deferral key=%r error=%s", key, exc)
+        raise settings.problem(
+            StoreUnavailable,
+            "The idempotency store is unavailable; the request was not accepted. Retry later.",
+            retry_after=True,
+        ) from exc
     logger.info("decision=deferred key=%r attempt=%d jobs=%d", key, outcome.attempt, len(jobs))
 
 
@@ -116,20 +121,28 @@ def key_status(key: str) -> Response:
     settings = state.settings.route
     try:
         key = parse_key([key], "The key")
-        tenant = load_tenant(state.extension._tenant_loader)
+        tenant = load_tenant(state.extension.load_tenant)
     except ProblemError as exc:  # a malformed key or tenant names no key
         raise settings.problem(KeyNotFound, exc.detail) from None
-    row = state.maintenance.get_key(tenant, key)
-    if row is None:
+    try:
+        found = state.store.key_status(tenant, key)
+    except StoreError as exc:
+        if not exc.outage:  # e.g. a sealed response no key opens: never a wrong body
+            logger.error("decision=store_refused status_view key=%r error=%s", key, exc)
+            raise settings.problem(
+                StoreRefused, "The stored response cannot be read; ask the operator."
+            ) from exc
+        logger.error("decision=store_unavailable status_view key=%r error=%s", key, exc)
+        raise settings.problem(
+            StoreUnavailable,
+            "The idempotency store is unavailable. Retry later.",
+            retry_after=True,
+        ) from exc
+    if found is None:
         raise settings.problem(KeyNotFound, "No such key (for this tenant).")
-    status = KeyStatus(row["status"])
-    if status is KeyStatus.COMPLETED:
-        stored = StoredResponse(
-            row["response_status"],
-            [(n, v) for n, v in row["response_headers"] or []],
-            bytes(row["response_body"] or b""),
-        )
-        return replay(stored, settings, row["expires_at"])
+    status, stored, expires_at = found
+    if status is KeyStatus.COMPLETED and stored is not None:
+        return replay(stored, settings, expires_at)
     if status is KeyStatus.UNKNOWN:
         raise settings.problem(
             OutcomeUnknown, "The outcome of this key's work is unknown; it will not run again."

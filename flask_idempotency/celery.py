@@ -25,7 +25,7 @@ from celery import Celery
 from flask import Flask, current_app
 
 from .asynchronous import RUN_KEY_JOB
-from .completer import run_deferred
+from .background.completer import run_deferred
 from .jobs import Job
 
 

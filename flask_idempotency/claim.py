@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
-import psycopg
 from flask import g
 from werkzeug.local import LocalProxy
 
 from . import tracing
 from .config import RouteSettings
 from .jobs import StagedJob, staged_job
-from .model import ClaimOutcome
+from .model import ClaimOutcome, KeyStatus, StoredResponse
 from .owned_connection import OwnedConnection
 
 if TYPE_CHECKING:
-    from .postgres import PinnedConnection, PostgresStore
+    import psycopg
+
+    from .store.postgres import PinnedConnection, PostgresStore
 
 _G_NAME = "_idempotency_claim"
 
@@ -193,3 +194,32 @@ def _current() -> ClaimedKey:
 
 #: The :class:`ClaimedKey` of the running idempotent view.
 current_idempotency: ClaimedKey = cast(ClaimedKey, LocalProxy(_current))
+
+
+def finish_attempt(
+    claim: ClaimedKey,
+    status: KeyStatus,
+    response: StoredResponse | None = None,
+    *,
+    jobs: Sequence[StagedJob] = (),
+    pinned: PinnedConnection | None = None,
+) -> bool:
+    """End *claim*'s attempt with *status* (one fenced UPDATE, waking waiting twins when
+    the route waits): False if a newer attempt owns the key. The key's new
+    ``expires_at`` is kept in ``claim.expires_at`` (``Idempotency-Key-Expires``).
+
+    :raises StoreError: the store failed.
+    :raises EncryptionError: *response* could not be sealed; nothing was written.
+    """
+    claim.expires_at = claim.store.finish(
+        claim.tenant,
+        claim.key,
+        claim.outcome,
+        status,
+        ttl=claim.settings.ttl,
+        response=response,
+        notify=claim.settings.wait > 0,
+        jobs=jobs,
+        pinned=pinned,
+    )
+    return claim.expires_at is not None

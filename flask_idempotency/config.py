@@ -18,12 +18,10 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
-from psycopg import ProgrammingError
-from psycopg.conninfo import conninfo_to_dict
-
 from .encryption import check_encryptor
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
 from .fingerprint import Exclusions, fingerprint_function, parse_exclusions
+from .store.conninfo import conninfo_params
 
 PREFIX = "IDEMPOTENCY_"
 
@@ -91,10 +89,10 @@ def _conninfo(value: Any, key: str) -> str | None:
             " string ('host=... dbname=...')."
         )
     try:
-        params = conninfo_to_dict(value)
-    except ProgrammingError as exc:
+        params = conninfo_params(value)
+    except ValueError as exc:
         # libpq's reason, not the value: it may hold a password.
-        reason = " ".join(str(exc).split())
+        reason = str(exc)
         raise ConfigError(f"{key} is not a valid libpq URL or conninfo string: {reason}") from None
     ports = str(params.get("port") or "").split(",")
     if not all(p == "" or (p.isdigit() and 0 < int(p) < 65536) for p in ports):
@@ -269,10 +267,10 @@ class RouteSettings:
     #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
     in_progress_status: int = option(409, _in_progress_status)
     #: store the request with the claim, so that ``flask idempotency-complete`` can run
-    #: it again without its client (SPEC §9)
+    #: it again without its client (README "When clients give up")
     complete: bool = option(False, _bool)
     #: long work: the claiming request defers the view to the background and answers 202
-    #: with a Location to poll (SPEC §10); implies ``complete``
+    #: with a Location to poll (README "Work that outlives the request"); implies ``complete``
     asynchronous: bool = option(False, _bool)
     #: the request headers stored with a ``complete=True`` claim (this list replaces
     #: the default: name Content-Type yourself)
@@ -344,7 +342,7 @@ class Settings:
     replay_cache_size: int = option(0, _int_at_least(0))
     #: the keys' table, may be schema-qualified
     table: str = option("idempotency_keys", _str)
-    #: where staged jobs wait for a dispatcher (SPEC §10)
+    #: where staged jobs wait for a dispatcher (README "Work that outlives the request")
     jobs_table: str = option("idempotency_jobs", _str)
     #: every hand-made change, one row each (SPEC §11); never cleaned
     audit_table: str = option("idempotency_audit", _str)

@@ -20,7 +20,7 @@ from flask import current_app
 
 from . import tracing
 from .answers import decision_signals
-from .claim import ClaimedKey, peek_claim, pop_claim, set_claim
+from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim, set_claim
 from .config import RouteSettings, convert_option
 from .errors import (
     ConfigError,
@@ -221,16 +221,7 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
     jobs = claim.jobs if response is not None and response.status == RESULT_STATUS else []
     try:
         with claim.trace.span(tracing.FINISH) as span:
-            owned = claim.store.finish(
-                claim.tenant,
-                claim.key,
-                claim.outcome,
-                status,
-                ttl=claim.settings.ttl,
-                response=response,
-                notify=claim.settings.wait > 0,
-                jobs=jobs,
-            )
+            owned = finish_attempt(claim, status, response, jobs=jobs)
             span.decided(status.value if owned else "fenced", claim.attempt)
     except StoreError as exc:
         logger.error("decision=store_failed consumer key=%r error=%s", claim.key, exc)
@@ -251,7 +242,7 @@ def _end(claim: ClaimedKey, status: KeyStatus, response: StoredResponse | None) 
         claim.key,
         claim.attempt,
     )
-    return owned is not None
+    return owned
 
 
 @contextmanager

@@ -12,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 from typing import Any
 
-import psycopg
 from flask import Flask, Response, current_app
 from werkzeug.exceptions import InternalServerError
 from werkzeug.http import http_date
 
 from . import signals, tracing
 from .answers import EXPIRES_HEADER
-from .claim import ClaimedKey, peek_claim, pop_claim
+from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim
+from .config import RouteSettings
 from .errors import (
     EncryptionError,
     ProblemError,
@@ -32,11 +33,14 @@ from .errors import (
 from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
-from .pool import is_outage
-from .postgres import PinnedConnection
 from .state import get_state
+from .store.pool import is_driver_outage
+from .store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
+
+#: an HTTP header name (RFC 9110 token)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +146,7 @@ def _connection_lost(claim: ClaimedKey) -> bool:
     driver's error, or the connection is closed): its work cannot have committed."""
     assert claim.pinned is not None
     exception = claim.exception
-    if exception is not None and isinstance(exception, psycopg.Error) and is_outage(exception):
+    if exception is not None and is_driver_outage(exception):
         return True
     return claim.pinned.conn.closed or claim.pinned.conn.broken
 
@@ -167,29 +171,75 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
         unknown = settings.on_exception == "unknown" and not transactional
         status = KeyStatus.UNKNOWN if unknown else KeyStatus.RETRYABLE
         return Ending(status, f"exception {type(exception).__name__}")
-    nothing = "; nothing was committed" if transactional else ""
-    if _truly_streamed(response):
+    try:
+        stored = stored_response(response, settings)
+    except NotStorable as exc:
+        nothing = "; nothing was committed" if transactional else ""
         return Ending(
-            KeyStatus.UNKNOWN,
-            "streamed response",
-            refusal="The view returned a streamed response, which cannot be stored for"
-            f" replay{nothing}. Idempotent views must return a complete body.",
+            KeyStatus.UNKNOWN, exc.reason, refusal=exc.refusal.replace("{nothing}", nothing)
         )
-    body = _body_within(response, settings.max_response_bytes)
+    # A view that raised stages nothing, even when its 500 is stored (README "Work that
+    # outlives the request").
+    jobs = tuple(claim.jobs) if exception is None else ()
+    return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
+
+
+class NotStorable(ValueError):
+    """A response that cannot be stored for replay: why (:attr:`reason`, for the log)
+    and what the client is told instead (:attr:`refusal`)."""
+
+    def __init__(self, reason: str, refusal: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        #: the problem's detail; ``{nothing}`` is where "nothing was committed" goes
+        self.refusal = refusal
+
+
+def stored_response(response: Response, settings: RouteSettings) -> StoredResponse:
+    """*response* as it is stored for replay: the status, the headers but the route's
+    unstored ones, the body. The one way a view's (or a reconciler's) response is stored.
+
+    :raises NotStorable: a streamed body, a body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``,
+        or a header that cannot be sent to a client.
+    """
+    if _truly_streamed(response):
+        raise NotStorable(
+            "streamed response",
+            "The view returned a streamed response, which cannot be stored for"
+            " replay{nothing}. Idempotent views must return a complete body.",
+        )
+    limit = settings.max_response_bytes
+    body = _body_within(response, limit)
     if body is None:
-        return Ending(
-            KeyStatus.UNKNOWN,
-            f"response of more than {settings.max_response_bytes} bytes",
-            refusal="The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
-            f" ({settings.max_response_bytes}){nothing}.",
+        raise NotStorable(
+            f"response of more than {limit} bytes",
+            f"The response exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES ({limit}){{nothing}}.",
         )
     headers = [
         (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
-    # A view that raised stages nothing, even when its 500 is stored (SPEC §10).
-    jobs = tuple(claim.jobs) if exception is None else ()
-    stored = StoredResponse(response.status_code, headers, body)
-    return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
+            text = f"the header {name!r}: {value!r:.80} cannot be sent to a client"
+            raise NotStorable(text, f"The response's {text[4:]}{{nothing}}.")
+    return StoredResponse(response.status_code, headers, body)
+
+
+def stored_answer(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
+    """*answer* (anything a view may return) as the response to store for replay, with
+    the checks a view's response gets (:func:`stored_response`).
+
+    :raises ValueError: it is not a response, or it cannot be stored (a streamed body, a
+        body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``, a header no client can get).
+    """
+    try:
+        response: Response = app.make_response(answer)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"not a response that can be stored: {exc}") from None
+    try:
+        return stored_response(response, settings)
+    except NotStorable as exc:
+        raise ValueError(exc.reason) from None
 
 
 def _truly_streamed(response: Response) -> bool:
@@ -230,18 +280,8 @@ def _end_attempt(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> 
     key stays ``processing`` until its lease ends, and then
     ``IDEMPOTENCY_ON_ABANDONED`` decides.
     """
-    settings = claim.settings
     try:
-        claim.expires_at = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            ending.status,
-            ttl=settings.ttl,
-            response=ending.stored,
-            notify=settings.wait > 0,
-            jobs=ending.jobs,
-        )
+        finish_attempt(claim, ending.status, ending.stored, jobs=ending.jobs)
     except StoreError as exc:
         _report_store_failure(claim, exc, span)
         return
@@ -276,17 +316,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
 def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
     """Store the response in the pinned transaction and commit it with the view's writes."""
     try:
-        claim.expires_at = claim.store.finish(
-            claim.tenant,
-            claim.key,
-            claim.outcome,
-            KeyStatus.COMPLETED,
-            ttl=claim.settings.ttl,
-            response=ending.stored,
-            notify=claim.settings.wait > 0,
-            jobs=ending.jobs,
-            pinned=pinned,
-        )
+        finish_attempt(claim, KeyStatus.COMPLETED, ending.stored, jobs=ending.jobs, pinned=pinned)
     except (StoreError, EncryptionError):
         claim.store.unpin(pinned, commit=False)  # returns the connection in any case
         raise

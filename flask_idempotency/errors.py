@@ -223,7 +223,8 @@ class RequestTooLarge(ProblemError, RequestEntityTooLarge):
 
 
 class ResponseNotStorable(ProblemError, InternalServerError):
-    """The view's response cannot be stored faithfully (streamed, or too large)."""
+    """The view's response cannot be stored faithfully (streamed, too large, or with a
+    header no client can get)."""
 
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"

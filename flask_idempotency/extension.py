@@ -11,26 +11,21 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from flask import Flask, current_app, got_request_exception
-from psycopg_pool import ConnectionPool
 from werkzeug.routing import Rule
 
 from . import tracing
 from .asynchronous import register_status_view
+from .background.dispatch import DispatchFunction
+from .background.reconciler import RETRYABLE, ReconcileFunction, resolve
 from .cli import COMMANDS
-from .cli_actions import COMMANDS as ACTION_COMMANDS
-from .cli_operators import COMMANDS as OPERATOR_COMMANDS
-from .cli_workers import COMMANDS as WORKER_COMMANDS
 from .config import DEFAULTS, convert_option, load_settings, unknown_keys
 from .consumer import run_once
-from .dispatch import DispatchFunction
 from .ending import after_request, record_exception, teardown_request
 from .errors import ConfigError
 from .handler import begin
-from .postgres import PostgresStore
-from .reconciler import RETRYABLE, ReconcileFunction, resolve
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
 from .view_order import (
@@ -40,6 +35,10 @@ from .view_order import (
     check_view,
     mark_wrapped,
 )
+
+if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
+from .store.postgres import PostgresStore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,7 +66,8 @@ class Idempotency:
     RETRYABLE = RETRYABLE
 
     def __init__(self, app: Flask | None = None, *, pool: ConnectionPool[Any] | None = None):
-        self._tenant_loader: Callable[[], str] | None = None
+        #: names the tenant of the current request (see :meth:`tenant_loader`)
+        self.load_tenant: Callable[[], str] | None = None
         #: settles ``unknown`` keys (see :meth:`reconciler`)
         self.reconcile_key: ReconcileFunction | None = None
         #: hands committed staged jobs to a queue (see :meth:`dispatcher`)
@@ -116,7 +116,7 @@ class Idempotency:
         app.after_request(after_request)
         app.teardown_request(teardown_request)
         got_request_exception.connect(record_exception, app, weak=False)
-        for command in (*COMMANDS, *ACTION_COMMANDS, *WORKER_COMMANDS, *OPERATOR_COMMANDS):
+        for command in COMMANDS:
             app.cli.add_command(command)
         register_status_view(app, settings.status_path)
 
@@ -160,7 +160,7 @@ class Idempotency:
         guessing its key (a warning says so once per app and process). Register
         ``lambda: ""`` to say that this is what you want.
         """
-        self._tenant_loader = loader
+        self.load_tenant = loader
         return loader
 
     @overload
@@ -193,7 +193,7 @@ class Idempotency:
             @functools.wraps(view)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 state = get_state()
-                if self._tenant_loader is None and not state.warned_shared_keys:
+                if self.load_tenant is None and not state.warned_shared_keys:
                     state.warned_shared_keys = True
                     logger.warning(
                         "no tenant_loader is registered: all clients share one key space,"
@@ -202,7 +202,7 @@ class Idempotency:
                         " that is intended)"
                     )
                 settings = state.route_settings(overrides)
-                early = begin(state, settings, transactional, self._tenant_loader)
+                early = begin(state, settings, transactional, self.load_tenant)
                 if early is not None:
                     return early  # type: ignore[return-value]
                 return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]

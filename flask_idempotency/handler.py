@@ -35,9 +35,9 @@ from .errors import (
 from .fingerprint import custom_fingerprint, fingerprint
 from .keys import load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
-from .postgres import PinnedConnection
 from .rerun import current_rerun
 from .state import IdempotencyState
+from .store.postgres import PinnedConnection
 from .stored_request import StoredRequest, capture
 
 logger = logging.getLogger("flask_idempotency")

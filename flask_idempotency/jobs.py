@@ -1,4 +1,5 @@
-"""Staged jobs (an outbox, SPEC §10): what a job is, and checking one as it is staged.
+"""Staged jobs (an outbox, README "Work that outlives the request"): what a job is,
+and checking one as it is staged.
 
 ``current_idempotency.stage(name, payload)`` makes a :class:`StagedJob`; the finish
 (or the phase) that commits the key inserts it in the same statement, so a job exists

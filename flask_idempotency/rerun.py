@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, current_app, has_request_context, request
 from flask.testing import EnvironBuilder
@@ -29,11 +29,12 @@ from .answers import answer
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
 from .errors import StoreError, StoreUnavailable
-from .keys import lock_id
 from .model import ClaimOutcome, Decision, KeyStatus
-from .postgres import PinnedConnection, PostgresStore, store_errors
-from .queries_background import MARK_UNKNOWN, TAKE_OVER, UNRESERVE
 from .state import IdempotencyState, get_state
+
+if TYPE_CHECKING:
+    from .store.batches import Fence
+    from .store.postgres import PinnedConnection
 from .stored_request import StoredRequest
 
 #: the environ key that marks a rebuilt request (HTTP clients can only set HTTP_* keys)
@@ -148,7 +149,7 @@ class Rerun:
         if self.skipped is not None:
             return _ended(f"not run: {self.skipped}")
         try:
-            outcome, pinned = self._claim(state.store, settings, transactional)
+            outcome, pinned = self._claim(state, settings, transactional)
         except StoreError as exc:
             self.store_error = exc
             raise settings.problem(StoreUnavailable, "The store failed.") from exc
@@ -180,39 +181,27 @@ class Rerun:
         return None
 
     def _claim(
-        self, store: PostgresStore, settings: RouteSettings, transactional: bool
+        self, state: IdempotencyState, settings: RouteSettings, transactional: bool
     ) -> tuple[ClaimOutcome | None, PinnedConnection | None]:
         """Take the key over as a client retry would, or mark it unknown (an abandoned
         claim on a route with ``ON_ABANDONED = "unknown"``); None if it changed."""
-        params: dict[str, Any] = {
-            "tenant": self.tenant,
-            "key": self.key,
-            "attempt": self.attempt,
-            "generation": self.generation,
-            "reserved": self.reserved,
-        }
+        batches = state.batches
         if self.status is KeyStatus.PROCESSING and settings.on_abandoned == "unknown":
-            with store.connection() as conn:
-                marked = conn.execute(store.render(MARK_UNKNOWN), params).rowcount
-            if not marked:
+            if not batches.mark_unknown(self.fence):
                 return None, None
             return ClaimOutcome(Decision.MARKED_UNKNOWN, attempt=self.attempt), None
-        params.update(
-            fingerprint=self.fingerprint,
-            lease=settings.lease,
-            ttl=settings.ttl,
-            lock_id=lock_id(self.tenant, self.key),
-        )
-        pinned = store.pin() if transactional else None
+        pinned = state.store.pin() if transactional else None
         try:
-            row = self._take_over(store, params, pinned)
+            row = batches.take_over(
+                self.fence, self.fingerprint, lease=settings.lease, ttl=settings.ttl, pinned=pinned
+            )
         except BaseException:
             if pinned is not None:
-                store.unpin(pinned, commit=False)
+                state.store.unpin(pinned, commit=False)
             raise
         if row is None:
             if pinned is not None:
-                store.unpin(pinned, commit=False)
+                state.store.unpin(pinned, commit=False)
             return None, None
         outcome = ClaimOutcome(
             Decision.TAKEN_OVER,
@@ -225,28 +214,10 @@ class Rerun:
         )
         return outcome, pinned
 
-    def unreserve(self, store: PostgresStore) -> None:
-        """Leave a key that was not run as it was: end the batch's reservation."""
-        params = {
-            "tenant": self.tenant,
-            "key": self.key,
-            "attempt": self.attempt,
-            "generation": self.generation,
-            "reserved": self.reserved,
-        }
-        with store.connection() as conn:
-            conn.execute(store.render(UNRESERVE), params)
-
-    @staticmethod
-    def _take_over(
-        store: PostgresStore, params: dict[str, Any], pinned: PinnedConnection | None
-    ) -> tuple[Any, ...] | None:
-        query = store.render(TAKE_OVER)
-        if pinned is not None:
-            with store_errors():
-                return pinned.conn.execute(query, params).fetchone()
-        with store.connection() as conn:
-            return conn.execute(query, params).fetchone()
+    @property
+    def fence(self) -> Fence:
+        """The key as the batch saw it: what its takeover is fenced by."""
+        return (self.tenant, self.key, self.attempt, self.generation, self.reserved)
 
 
 def current_rerun() -> Rerun | None:

@@ -53,7 +53,7 @@ released = _signals.signal("idempotency-released")
 #: ``fail_open`` (True when the view ran unprotected).
 store_unavailable = _signals.signal("idempotency-store-unavailable")
 
-# -- the background processes (SPEC §9) -----------------------------------------------------
+# -- the background processes (README "When clients give up") -----------------------------
 
 #: ``flask idempotency-complete`` ran a key's stored request to its end. Kwargs:
 #: ``tenant``, ``key``, ``attempt`` (the completer's), ``status`` (the key's new status:

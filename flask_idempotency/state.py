@@ -15,9 +15,11 @@ from flask import Flask, current_app
 from .cache import ReplayCache
 from .config import RouteSettings, Settings
 from .errors import ConfigError
-from .maintenance import Maintenance
-from .postgres import PostgresStore
-from .waiting import CompletionWaiter
+from .store.batches import Batches
+from .store.maintenance import Maintenance
+from .store.operations import Operations
+from .store.postgres import PostgresStore
+from .store.waiting import CompletionWaiter
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -46,6 +48,10 @@ class IdempotencyState:
     def __post_init__(self) -> None:
         #: the operators' statements on the same store
         self.maintenance = Maintenance(self.store)
+        #: the background's statements (completer, reconciler, dispatcher) on the same store
+        self.batches = Batches(self.store)
+        #: the console's and the operators' statements (rendered once per process)
+        self.operations = Operations(self.store)
         #: completed responses of this process (``IDEMPOTENCY_REPLAY_CACHE_SIZE`` > 0)
         self.replay_cache = (
             ReplayCache(self.settings.replay_cache_size)
@@ -64,9 +70,7 @@ class IdempotencyState:
     def waiter(self) -> CompletionWaiter:
         """This process's listener for finished keys, made on first use."""
         if self._waiter is None or self._waiter_pid != os.getpid():
-            conninfo = self.settings.listen_database_url or self.store.pool.conninfo
-            if callable(conninfo):
-                conninfo = conninfo()
+            conninfo = self.settings.listen_database_url or self.store.conninfo
             self._waiter = CompletionWaiter(
                 conninfo, self.store.channel, self.settings.pool_timeout
             )

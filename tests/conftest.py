@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from testapp import create_app
 
-import flask_idempotency.postgres
+import flask_idempotency.store.postgres
 
 #: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
 #: throwaway one; only the database ``idempotency_test`` on it is (re)created and used.
@@ -114,7 +114,7 @@ def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[
         # The request path's statements go through statement.execute (below psycopg's
         # cursor); every other statement through a cursor's execute (Connection.execute
         # makes one). A cursor used by statement.execute is counted once.
-        run_statement = flask_idempotency.postgres.execute
+        run_statement = flask_idempotency.store.postgres.execute
         cursor_execute = psycopg.Cursor.execute
 
         def counting_statement(conn: Any, statement: Any, *args: Any) -> Any:
@@ -133,7 +133,7 @@ def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[
                 statements.append(str(query)[:40])
             return cursor_execute(self, query, *args, **kw)
 
-        monkeypatch.setattr(flask_idempotency.postgres, "execute", counting_statement)
+        monkeypatch.setattr(flask_idempotency.store.postgres, "execute", counting_statement)
         monkeypatch.setattr(psycopg.Cursor, "execute", counting_cursor)
         return statements
 

@@ -145,7 +145,7 @@ def test_a_dispatcher_killed_after_sending_hands_the_job_over_again_and_it_runs_
     )
     handed_over_in = time.monotonic() - killed_at
     assert rerun.returncode == 0, rerun.stderr.decode()
-    assert b"dispatched 3 job(s)" in rerun.stdout, rerun.stdout  # the sent one again, same id
+    assert b"3 due: 3 dispatched" in rerun.stdout, rerun.stdout  # the sent one again, same id
     assert handed_over_in < 10  # at once: no lease to wait out
 
     def all_done() -> bool:
@@ -221,7 +221,7 @@ def test_an_asynchronous_route_runs_its_view_once_in_a_celery_worker(
     location = accepted.headers["Location"]
     assert client.post("/exports", json={}, headers={"Idempotency-Key": key}).status_code == 202
     result = flask_app.test_cli_runner().invoke(args=["idempotency-dispatch"])
-    assert result.exit_code == 0 and "dispatched 1 job(s)" in result.output, result.output
+    assert result.exit_code == 0 and "1 due: 1 dispatched" in result.output, result.output
     wait_until(lambda: key_status(db, key) == ("completed", 1), timeout=60)
     rows = db.execute("SELECT pid FROM exports WHERE key = %s", (key,)).fetchall()
     assert len(rows) == 1 and rows[0][0] != os.getpid()  # once, in a worker process

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from test_console import TABLES, Console, add_job, add_key, audit_rows, make_console, status_of
 
-from flask_idempotency.cli_operators import default_actor
+from flask_idempotency.cli.changes import default_actor
 
 
 @pytest.fixture

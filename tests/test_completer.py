@@ -17,7 +17,8 @@ from flask import Flask
 from helpers import DB, problem, wait_until
 
 from flask_idempotency import signals
-from flask_idempotency.completer import Completer, KeyReport
+from flask_idempotency.background.completer import Completer
+from flask_idempotency.background.report import Outcome
 from flask_idempotency.fingerprint import fingerprint
 from flask_idempotency.stored_request import StoredRequest
 
@@ -208,14 +209,16 @@ def test_two_completers_run_each_key_once(make: Callable[..., Flask], db: DB) ->
     keys = [f"both-{uuid.uuid4()}" for _ in range(12)]
     for key in keys:
         assert send(app, key, X_Fail_At="after_created").status_code == 500
-    done: list[list[KeyReport]] = [[], []]
+    done: list[list[Outcome]] = [[], []]
     barrier = threading.Barrier(2)
 
     def completer(i: int) -> None:
         other = make()  # its own app and pool, as on another host
         barrier.wait(10)
         with other.app_context():
-            worker = Completer(other, other.extensions["idempotency"].store, timedelta(seconds=60))
+            worker = Completer(
+                other, other.extensions["idempotency"].batches, timedelta(seconds=60)
+            )
             while batch := worker.run_batch(timedelta(0), 3):
                 done[i].extend(batch)
 

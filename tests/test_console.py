@@ -17,9 +17,9 @@ from flask import Flask
 from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
-import flask_idempotency.operations
+import flask_idempotency.store.operations
 from flask_idempotency import Idempotency
-from flask_idempotency.operations import Operations
+from flask_idempotency.store.operations import Operations
 
 DB = psycopg.Connection[TupleRow]
 C = "/idempotency/console"
@@ -504,7 +504,7 @@ def test_overview_counts_exact_below_the_threshold_and_estimates_above(
     assert re.search(r"<th>completed</th><td>12</td>", page)
     assert re.search(r"<th>exhausted</th><td>1</td>", page)
     assert re.search(r"<th>dead</th><td>1</td>", page)
-    monkeypatch.setattr(flask_idempotency.operations, "EXACT_UP_TO", 5)
+    monkeypatch.setattr(flask_idempotency.store.operations, "EXACT_UP_TO", 5)
     db.execute("ANALYZE console_keys")
     with console.app.app_context():
         counts = Operations(console.app.extensions["idempotency"].store).overview(10)
@@ -533,7 +533,7 @@ def test_keys_list_pages_newest_first_and_never_shows_bodies(
     assert re.findall(r">(p-\d{3})</a>", second) == [f"p-{i:03}" for i in range(50, 60)]
     oldest = console.get("/keys", order="oldest").get_data(as_text=True)
     assert re.findall(r">(p-\d{3})</a>", oldest)[0] == "p-059"
-    monkeypatch.setattr(flask_idempotency.operations, "PAGE_WINDOW", 10)
+    monkeypatch.setattr(flask_idempotency.store.operations, "PAGE_WINDOW", 10)
     sparse = console.get("/keys", prefix="p-05").get_data(as_text=True)
     assert re.findall(r">(p-\d{3})</a>", sparse) == []  # the first 10 newest do not match
     assert "Next page" in sparse
@@ -701,7 +701,7 @@ def test_a_silent_database_costs_a_console_page_a_bounded_wait(database_url: str
 
 
 def test_every_overview_figure_can_be_estimated(console: Console) -> None:
-    from flask_idempotency.queries_console import JOB_COUNTS, KEY_COUNTS
+    from flask_idempotency.store.statements_console import JOB_COUNTS, KEY_COUNTS
 
     add_key(console.db, "e", "unknown", looks=10)
     with console.app.app_context():

@@ -20,7 +20,7 @@ from flask_idempotency import ConfigError, KeyStatus
 from flask_idempotency.encryption import Fernet
 from flask_idempotency.errors import EncryptionError
 from flask_idempotency.keys import tenant_tag
-from flask_idempotency.sealing import SEALED_HEADERS, SEALED_REQUEST
+from flask_idempotency.store.sealing import SEALED_HEADERS, SEALED_REQUEST
 
 K1, K2, K3 = (CryptoFernet.generate_key() for _ in range(3))
 SECRET = "4111-1111-1111-1111<script>\u00e9"

@@ -228,3 +228,26 @@ def test_a_body_without_length_is_read_whole_up_to_the_limit_and_refused_past_it
     else:
         problem(answer, 413, "request-too-large")
         assert executions(db, key) == 0
+
+
+@pytest.mark.parametrize("name", ["Bad Header", "X-Nul\x00", "Ünïcode", "a" * 300 + ":"])
+def test_a_header_no_client_can_get_is_refused_not_stored(
+    make_app: Callable[..., Flask], db: DB, key: str, name: str
+) -> None:
+    """The checks a reconciler's answer gets (one helper, ending.stored_response): a view's
+    header whose name is not an HTTP token is refused, never stored to replay."""
+    app = make_app()
+    idempotency = app.extensions["idempotency"].extension
+
+    @app.post("/bad-header")
+    @idempotency.idempotent
+    def bad_header() -> Any:
+        response = Response("ok", 201)
+        response.headers[name] = "v"
+        return response
+
+    answer = post(app.test_client(), "/bad-header", key)
+    body = problem(answer, 500, "response-not-storable")
+    assert "cannot be sent to a client" in body["detail"], body
+    status = db.execute("SELECT status FROM idempotency_keys WHERE key = %s", (key,)).fetchone()
+    assert status == ("unknown",)

@@ -16,7 +16,8 @@ from flask import Flask, Response
 from helpers import DB, problem, wait_until
 
 from flask_idempotency import Idempotency, UnknownKey, signals
-from flask_idempotency.reconciler import Look, Reconciliation
+from flask_idempotency.background.reconciler import Reconciliation
+from flask_idempotency.background.report import Outcome
 from flask_idempotency.state import get_state
 
 RISKY = "/shop/risky"
@@ -195,7 +196,7 @@ def test_two_reconcilers_look_at_each_key_once(make: Callable[..., Flask], db: D
     app = make(pending)
     keys = [unknown_key(app, charge=False) for _ in range(10)]
     pending.update(keys)
-    done: list[list[Look]] = [[], []]
+    done: list[list[Outcome]] = [[], []]
     barrier = threading.Barrier(2)
 
     def reconciler(i: int) -> None:
@@ -213,7 +214,7 @@ def test_two_reconcilers_look_at_each_key_once(make: Callable[..., Flask], db: D
         thread.start()
     for thread in threads:
         thread.join(60)
-    looked = sorted(look.key.key for look in done[0] + done[1])
+    looked = sorted(look.key for look in done[0] + done[1])
     assert looked == sorted(keys)
     assert all(look.outcome == "undecided" for look in done[0] + done[1])
     for key in keys:

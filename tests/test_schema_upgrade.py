@@ -18,7 +18,7 @@ from helpers import DB, post, wait_until
 from psycopg import sql
 
 from flask_idempotency.fingerprint import fingerprint
-from flask_idempotency.queries import STORAGE, UPGRADE_COLUMNS
+from flask_idempotency.store.ddl import STORAGE, UPGRADE_COLUMNS
 
 ROWS = 50_000
 

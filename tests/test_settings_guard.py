@@ -16,7 +16,7 @@ from helpers import post, problem
 from psycopg.rows import TupleRow
 
 from flask_idempotency import ConfigError, Idempotency
-from flask_idempotency.schema import Schema
+from flask_idempotency.store.schema import Schema
 
 DB = psycopg.Connection[TupleRow]
 

@@ -14,8 +14,8 @@ from flask import Blueprint, abort, flash, redirect, render_template, request, u
 from werkzeug.wrappers import Response
 
 from ..model import KeyStatus
-from ..operations import JobFilter
 from ..state import get_state
+from ..store.operations import JobFilter
 from . import forms
 from .pages import BODY_PREVIEW, max_attempts, operations
 from .security import current_access

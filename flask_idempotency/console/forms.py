@@ -16,7 +16,7 @@ from typing import Any
 from flask import abort
 
 from ..model import KeyStatus, StoredResponse
-from ..operations import JobFilter, KeyFilter, storable
+from ..store.operations import JobFilter, KeyFilter, storable
 
 __all__ = [
     "decode_cursor",

@@ -8,8 +8,8 @@ from typing import Any
 from flask import Blueprint, abort, render_template, request
 
 from ..model import KeyStatus
-from ..operations import EXACT_UP_TO, Operations
 from ..state import get_state
+from ..store.operations import EXACT_UP_TO, Operations
 from ..stored_request import StoredRequest
 from . import forms
 
@@ -20,7 +20,7 @@ PAGE_SIZE = 50
 
 def operations() -> Operations:
     """The operators' statements of the current app's store."""
-    return Operations(get_state().store)
+    return get_state().operations
 
 
 def max_attempts() -> int:

@@ -10,9 +10,8 @@ import os
 import socket
 from collections.abc import Mapping
 
-from .errors import StoreError
-from .operations import Operations
-from .state import get_state
+from ..errors import StoreError
+from ..state import get_state
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -21,8 +20,6 @@ def record_batch(command: str, interval: float | None, counts: Mapping[str, int]
     """Record that this host's *command* finished a batch now. A failure is logged and
     does not stop the command: the heartbeat watches the work, it is not the work."""
     try:
-        Operations(get_state().store).beat(
-            command, socket.gethostname(), os.getpid(), interval, counts
-        )
+        get_state().operations.beat(command, socket.gethostname(), os.getpid(), interval, counts)
     except StoreError as exc:
         logger.warning("%s: could not record its heartbeat: %s", command, exc)

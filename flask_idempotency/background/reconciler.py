@@ -1,5 +1,5 @@
 """Reconciliation of ``unknown`` keys: ``@idempotency.reconciler``, ``flask
-idempotency-reconcile`` and ``idempotency.resolve()`` (SPEC §9).
+idempotency-reconcile`` and ``idempotency.resolve()`` (README "When clients give up").
 
 A key is due as soon as it becomes ``unknown``. A batch reserves due keys (``FOR
 UPDATE SKIP LOCKED``, for the lease), then asks the reconciler about each outside any
@@ -15,28 +15,26 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import re
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask, Response
+from flask import Flask
 
-from . import signals
-from .claim import derived_key
-from .config import RouteSettings
+from .. import signals
+from ..claim import derived_key
+from ..ending import stored_answer
+from ..keys import tenant_tag
+from ..model import KeyStatus, StoredResponse
+from ..state import IdempotencyState
+from ..store.batches import Batches
+from ..store.rows import is_storable_text, storable_text
+from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
-from .keys import tenant_tag
-from .model import KeyStatus, StoredResponse
-from .queries_background import DUE_FOR_RECONCILE, RESCHEDULE
-from .sealing import AtRest
-from .state import IdempotencyState
-from .stored_request import StoredRequest
+from .report import Outcome
+from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
-
-#: an HTTP header name (RFC 9110 token)
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class _Retryable:
@@ -76,21 +74,6 @@ class UnknownKey:
 ReconcileFunction = Callable[[UnknownKey], Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class Look:
-    """What one look at one key did."""
-
-    key: UnknownKey
-    #: ``completed``, ``retryable``, ``undecided``, ``error``, ``exhausted`` or ``raced``
-    outcome: str
-    detail: str = ""
-
-    def line(self) -> str:
-        """The line printed for it."""
-        text = f"{self.outcome} tenant={self.key.tenant!r} key={self.key.key!r}"
-        return f"{text}: {self.detail}" if self.detail else text
-
-
 class Reconciliation:
     """Runs batches of due ``unknown`` keys of *state*'s app past *reconcile*."""
 
@@ -99,30 +82,25 @@ class Reconciliation:
         self.state = state
         self.reconcile = reconcile
 
-    def run_batch(self, limit: int) -> list[Look]:
+    def run_batch(self, limit: int) -> list[Outcome]:
         """Reserve up to *limit* due keys and look at each.
 
         :raises StoreError: the store failed.
         """
         settings = self.state.settings
-        store = self.state.store
-        params = {
-            "max_attempts": settings.reconcile_max_attempts,
-            "limit": limit,
-            "hold": settings.route.lease,
-        }
-        with store.connection() as conn:
-            rows = conn.execute(store.render(DUE_FOR_RECONCILE), params).fetchall()
-        return [self._look(_unknown_key(row, store.at_rest)) for row in rows]
+        rows = self.state.batches.due_for_reconcile(
+            settings.reconcile_max_attempts, limit, settings.route.lease
+        )
+        return [self._look(_unknown_key(row, self.state.batches)) for row in rows]
 
-    def _look(self, key: UnknownKey) -> Look:
+    def _look(self, key: UnknownKey) -> Outcome:
         try:
             answer = contextvars.Context().run(self._ask, key)
             if answer is None:
                 return self._reschedule(key, None)
             if answer is RETRYABLE:
                 return self._resolve(key, KeyStatus.RETRYABLE, None)
-            stored = storable(self.app, answer, self.state.settings.route)
+            stored = stored_answer(self.app, answer, self.state.settings.route)
         except Exception as exc:
             logger.error(
                 "reconcile=error tenant=%r key=%r look=%d: the reconciler failed\n%s",
@@ -139,7 +117,9 @@ class Reconciliation:
         with self.app.app_context():
             return self.reconcile(key)
 
-    def _resolve(self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None) -> Look:
+    def _resolve(
+        self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None
+    ) -> Outcome:
         changed = self.state.maintenance.resolve(
             key.tenant,
             key.key,
@@ -149,30 +129,23 @@ class Reconciliation:
             fence=(key.attempt, key.generation, key.looks),
         )
         if not changed:
-            return Look(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
+            return _outcome(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
         announce_resolved(self.app, key.tenant, key.key, status, "reconciler")
         detail = f"status {stored.status}" if stored is not None else ""
-        return Look(key, status.value, detail)
+        return _outcome(key, status.value, detail)
 
-    def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Look:
+    def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Outcome:
         settings = self.state.settings
-        store = self.state.store
-        text = None if error is None else _text(f"{type(error).__name__}: {error}")[:2000]
-        params = {
-            "tenant": key.tenant,
-            "key": key.key,
-            "attempt": key.attempt,
-            "generation": key.generation,
-            "looks": key.looks,
-            "backoff": settings.reconcile_backoff,
-            "cap": MAX_BACKOFF,
-            "error": text,
-        }
-        with store.connection() as conn:
-            row = conn.execute(store.render(RESCHEDULE), params).fetchone()
-        if row is None:
-            return Look(key, "raced", "the key changed meanwhile")
-        looks, due_in = int(row[0]), float(row[1])
+        text = None if error is None else storable_text(f"{type(error).__name__}: {error}")[:2000]
+        scheduled = self.state.batches.reschedule(
+            (key.tenant, key.key, key.attempt, key.generation, key.looks),
+            backoff=settings.reconcile_backoff,
+            cap=MAX_BACKOFF,
+            error=text,
+        )
+        if scheduled is None:
+            return _outcome(key, "raced", "the key changed meanwhile")
+        looks, due_in = scheduled
         who: dict[str, Any] = {"tenant": key.tenant, "key": key.key, "looks": looks}
         if looks >= settings.reconcile_max_attempts:
             logger.error(
@@ -183,36 +156,11 @@ class Reconciliation:
                 looks,
             )
             signals.reconcile_exhausted.send(self.app, **who)
-            return Look(key, "exhausted", f"after {looks} undecided looks")
+            return _outcome(key, "exhausted", f"after {looks} undecided looks")
         signals.reconcile_scheduled.send(self.app, **who, due_in=due_in, error=error)
         outcome = "undecided" if error is None else "error"
         detail = f"look {looks} of {settings.reconcile_max_attempts}; next in {due_in:.1f}s"
-        return Look(key, outcome, detail + (f" ({text})" if text else ""))
-
-
-def storable(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:
-    """*answer* (anything a view may return) as the response to store for replay.
-
-    :raises ValueError: it is not a response, or it cannot be stored (a passthrough
-        file, a body over ``IDEMPOTENCY_MAX_RESPONSE_BYTES``).
-    """
-    try:
-        response: Response = app.make_response(answer)
-        body = response.get_data()  # a generator is run to its end: nobody streams it
-    except (TypeError, RuntimeError) as exc:
-        raise ValueError(f"not a response that can be stored: {exc}") from None
-    if len(body) > settings.max_response_bytes:
-        raise ValueError(
-            f"a response of {len(body)} bytes exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES"
-            f" ({settings.max_response_bytes})"
-        )
-    headers = [
-        (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
-    ]
-    for name, value in headers:
-        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
-            raise ValueError(f"the header {name!r}: {value!r:.80} cannot be sent to a client")
-    return StoredResponse(response.status_code, headers, body)
+        return _outcome(key, outcome, detail + (f" ({text})" if text else ""))
 
 
 def resolve(
@@ -226,10 +174,10 @@ def resolve(
     """See :meth:`.Idempotency.resolve`."""
     if (response is None) == (not retryable):
         raise TypeError("resolve() takes response=... or retryable=True (one of them)")
-    if not (_text_ok(tenant) and _text_ok(key)):
+    if not (is_storable_text(tenant) and is_storable_text(key)):
         return False  # no key can have such a name
     status = KeyStatus.RETRYABLE if retryable else KeyStatus.COMPLETED
-    stored = None if retryable else storable(app, response, state.settings.route)
+    stored = None if retryable else stored_answer(app, response, state.settings.route)
     ttl = state.settings.route.ttl
     if not state.maintenance.resolve(tenant, key, status, ttl=ttl, response=stored):
         return False
@@ -245,11 +193,24 @@ def announce_resolved(app: Flask, tenant: str, key: str, status: KeyStatus, sour
     signals.reconcile_resolved.send(app, tenant=tenant, key=key, status=status.value, source=source)
 
 
-def _unknown_key(row: tuple[Any, ...], at_rest: AtRest) -> UnknownKey:
+def _outcome(key: UnknownKey, outcome: str, detail: str = "") -> Outcome:
+    return Outcome(key.tenant, key.key, outcome, detail=detail)
+
+
+#: a reconcile batch's outcomes, in the order its summary line gives them
+OUTCOMES = ("completed", "retryable", "undecided", "error", "exhausted", "raced")
+
+
+def summary(looks: list[Outcome]) -> str:
+    """One line for a batch: how many keys ended how."""
+    return report_summary(looks, OUTCOMES[:3], OUTCOMES[3:])
+
+
+def _unknown_key(row: tuple[Any, ...], batches: Batches) -> UnknownKey:
     tenant, key, attempt, generation, point, looks, document, body = row
     try:
         request = (
-            at_rest.open_request(tenant, key, document, body) if document is not None else None
+            batches.open_request(tenant, key, document, body) if document is not None else None
         )
     except ValueError as exc:
         # A tampered stored request, or one no key decrypts: decide without it.
@@ -258,12 +219,3 @@ def _unknown_key(row: tuple[Any, ...], at_rest: AtRest) -> UnknownKey:
         )
         request = None
     return UnknownKey(tenant, key, attempt, generation, point, looks, request)
-
-
-def _text_ok(value: Any) -> bool:
-    """*value* is text PostgreSQL can hold (no NUL, no lone surrogate)."""
-    return isinstance(value, str) and "\x00" not in value and value == _text(value)
-
-
-def _text(message: str) -> str:
-    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()

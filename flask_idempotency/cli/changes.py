@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import click
 from flask.cli import with_appcontext
 
-from .errors import StoreError
-from .operations import JobFilter, KeyFilter, Operations, storable
-from .pool import probe
-from .state import get_state
+from ..errors import StoreError
+from ..state import get_state
+from ..store.operations import JobFilter, KeyFilter, Operations, storable
+from ..store.pool import probe
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UUID = re.compile(r"^[0-9a-fA-F]{8}-?([0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}$")
@@ -49,7 +49,7 @@ def operations() -> Operations:
         probe(store.settings)
     except StoreError as exc:
         raise click.ClickException(f"cannot connect to the idempotency database: {exc}") from exc
-    return Operations(store)
+    return get_state().operations
 
 
 def _text(value: str | None, what: str) -> str | None:

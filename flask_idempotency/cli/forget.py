@@ -14,10 +14,10 @@ from collections.abc import Callable
 import click
 from flask.cli import with_appcontext
 
-from .cli import maintenance
-from .cli_operators import operations
-from .errors import IdempotencyError, InvalidKey, StoreError
-from .keys import check_tenant, parse_key, tenant_tag
+from ..errors import IdempotencyError, InvalidKey, StoreError
+from ..keys import check_tenant, parse_key, tenant_tag
+from .changes import operations
+from .operators import maintenance
 
 logger = logging.getLogger("flask_idempotency")
 

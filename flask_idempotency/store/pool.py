@@ -23,8 +23,8 @@ from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from .config import Settings
-from .errors import StoreError
+from ..config import Settings
+from ..errors import StoreError
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -131,6 +131,12 @@ def is_outage(exc: BaseException) -> bool:
         return True
     sqlstate = getattr(exc, "sqlstate", None) or ""
     return sqlstate[:2] in _TRANSIENT_CLASSES
+
+
+def is_driver_outage(exc: BaseException) -> bool:
+    """True if *exc* is the driver's (a view's own statement on the claim's
+    connection) and says the database cannot be reached or cannot serve now."""
+    return isinstance(exc, psycopg.Error) and is_outage(exc)
 
 
 def is_prepared_statement_failure(exc: BaseException) -> bool:

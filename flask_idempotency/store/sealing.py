@@ -21,9 +21,9 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from .errors import EncryptionError, StoreError
-from .model import StoredResponse
-from .stored_request import StoredRequest
+from ..errors import EncryptionError, StoreError
+from ..model import StoredResponse
+from ..stored_request import StoredRequest
 
 #: ``response_headers`` of a sealed response (a plain one holds a list of pairs)
 SEALED_HEADERS = {"sealed": 1}

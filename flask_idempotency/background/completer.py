@@ -9,21 +9,20 @@ would (fenced: a completer never runs a key another attempt holds).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from datetime import timedelta
 from typing import Any
 
 from flask import Flask
-from psycopg import sql
 
-from . import signals
-from .model import KeyStatus
-from .postgres import PostgresStore
-from .queries_background import COUNT_DUE_FOR_COMPLETION, DEFERRED, DUE_FOR_COMPLETION, KEY_STATE
-from .rerun import Rerun
-from .state import get_state
-from .stored_request import StoredRequest
+from .. import signals
+from ..model import KeyStatus
+from ..rerun import Rerun
+from ..state import get_state
+from ..store.batches import Batches
+from ..stored_request import StoredRequest
+from .report import Outcome
+from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -32,51 +31,27 @@ COMPLETED, RELEASED, UNKNOWN, MARKED_UNKNOWN = "completed", "retryable", "unknow
 SKIPPED, RACED, FENCED = "skipped", "raced", "fenced"
 
 
-@dataclasses.dataclass(frozen=True)
-class KeyReport:
-    """What the completer did with one key."""
-
-    tenant: str
-    key: str
-    #: one of the outcome names above
-    outcome: str
-    attempt: int = 0
-    detail: str = ""
-
-    def line(self) -> str:
-        """The line printed for it."""
-        text = f"{self.outcome} tenant={self.tenant!r} key={self.key!r}"
-        if self.attempt:
-            text += f" attempt={self.attempt}"
-        return f"{text}: {self.detail}" if self.detail else text
-
-
 class Completer:
     """Runs batches of due keys of *app* through *app*."""
 
-    def __init__(self, app: Flask, store: PostgresStore, hold: timedelta) -> None:
+    def __init__(self, app: Flask, batches: Batches, hold: timedelta) -> None:
         self.app = app
-        self.store = store
+        self.batches = batches
         #: how long a batch reserves its keys (the app's IDEMPOTENCY_LEASE)
         self.hold = hold
 
     def due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
         """The keys a batch would take now (for ``--dry-run``); changes nothing."""
-        params = {"older_than": older_than, "limit": limit}
-        query = self.store.render(COUNT_DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
-        with self.store.connection() as conn:
-            rows = conn.execute(query, params).fetchall()
-        names = ("tenant", "key", "status", "attempt")
-        return [dict(zip(names, row, strict=True)) for row in rows]
+        return self.batches.count_due(older_than, limit)
 
-    def run_batch(self, older_than: timedelta, limit: int) -> list[KeyReport]:
+    def run_batch(self, older_than: timedelta, limit: int) -> list[Outcome]:
         """Take up to *limit* due keys and run each; what became of each.
 
         :raises StoreError: the store failed (keys already run keep their ending).
         """
         return self._take(older_than, limit, None)
 
-    def run_key(self, tenant: str, key: str, older_than: timedelta) -> KeyReport | None:
+    def run_key(self, tenant: str, key: str, older_than: timedelta) -> Outcome | None:
         """Run one key if it is due (a deferred key of an ``asynchronous=True`` route is
         due at once); None if it is not (done already, or another process runs it)."""
         reports = self._take(older_than, 1, (tenant, key))
@@ -84,23 +59,14 @@ class Completer:
 
     def _take(
         self, older_than: timedelta, limit: int, only: tuple[str, str] | None
-    ) -> list[KeyReport]:
-        params = {
-            "older_than": older_than,
-            "limit": limit,
-            "hold": self.hold,
-            "only_tenant": only[0] if only else None,
-            "only_key": only[1] if only else None,
-        }
-        query = self.store.render(DUE_FOR_COMPLETION, deferred=sql.SQL(DEFERRED))
-        with self.store.connection() as conn:
-            rows = conn.execute(query, params).fetchall()
+    ) -> list[Outcome]:
+        rows = self.batches.due_for_completion(older_than, limit, self.hold, only)
         return [self._report(self._run_row(row)) for row in rows]
 
-    def _run_row(self, row: tuple[Any, ...]) -> KeyReport:
+    def _run_row(self, row: tuple[Any, ...]) -> Outcome:
         tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row
         try:
-            stored = self.store.at_rest.open_request(tenant, key, document, body)
+            stored = self.batches.open_request(tenant, key, document, body)
         except ValueError as exc:
             stored = StoredRequest("?", "?")
             error: str | None = str(exc)
@@ -116,47 +82,45 @@ class Completer:
             generation,
             reserved,
         )
-        report = KeyReport(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
+        report = Outcome(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
         if report.outcome in (SKIPPED, RACED) and rerun.outcome is None:
-            rerun.unreserve(self.store)
+            self.batches.unreserve(rerun.fence)
         return report
 
-    def _run(self, rerun: Rerun) -> KeyReport:
+    def _run(self, rerun: Rerun) -> Outcome:
         tenant, key, attempt = rerun.tenant, rerun.key, rerun.attempt
         try:
             answered = rerun.run(self.app)
         except ValueError as exc:
             if rerun.outcome is None and rerun.store_error is None:
-                return KeyReport(tenant, key, SKIPPED, attempt, str(exc))
+                return Outcome(tenant, key, SKIPPED, attempt, str(exc))
             answered = 500
         except Exception as exc:  # the view raised and the app propagates it (testing)
             if rerun.outcome is None and rerun.store_error is None:
-                return KeyReport(tenant, key, SKIPPED, attempt, f"the app raised {exc!r:.300}")
+                return Outcome(tenant, key, SKIPPED, attempt, f"the app raised {exc!r:.300}")
             answered = 500
         return self._ending(rerun, answered)
 
-    def _ending(self, rerun: Rerun, answered: int) -> KeyReport:
+    def _ending(self, rerun: Rerun, answered: int) -> Outcome:
         tenant, key = rerun.tenant, rerun.key
         if rerun.store_error is not None:
             raise rerun.store_error
         if rerun.skipped is not None:
-            return KeyReport(tenant, key, SKIPPED, rerun.attempt, rerun.skipped)
+            return Outcome(tenant, key, SKIPPED, rerun.attempt, rerun.skipped)
         outcome = rerun.outcome
         if outcome is None:
             if rerun.raced:
-                return KeyReport(tenant, key, RACED, rerun.attempt, "the key changed meanwhile")
-            return KeyReport(tenant, key, SKIPPED, rerun.attempt, _not_reached(rerun, answered))
+                return Outcome(tenant, key, RACED, rerun.attempt, "the key changed meanwhile")
+            return Outcome(tenant, key, SKIPPED, rerun.attempt, _not_reached(rerun, answered))
         if not outcome.owns_key:
-            return KeyReport(tenant, key, MARKED_UNKNOWN, outcome.attempt, "ON_ABANDONED=unknown")
-        with self.store.connection() as conn:
-            now = conn.execute(self.store.render(KEY_STATE), {"tenant": tenant, "key": key})
-            row = now.fetchone()
+            return Outcome(tenant, key, MARKED_UNKNOWN, outcome.attempt, "ON_ABANDONED=unknown")
+        row = self.batches.key_state(tenant, key)
         if row is None or row[1] != outcome.attempt or row[0] == KeyStatus.PROCESSING.value:
-            return KeyReport(tenant, key, FENCED, outcome.attempt, "another attempt holds the key")
+            return Outcome(tenant, key, FENCED, outcome.attempt, "another attempt holds the key")
         detail = f"status {row[2]}" if row[2] is not None else f"answered {answered}"
-        return KeyReport(tenant, key, row[0], outcome.attempt, detail)
+        return Outcome(tenant, key, row[0], outcome.attempt, detail)
 
-    def _report(self, report: KeyReport) -> KeyReport:
+    def _report(self, report: Outcome) -> Outcome:
         """Log and signal one key's outcome."""
         app = self.app
         who: dict[str, Any] = {"tenant": report.tenant, "key": report.key}
@@ -194,22 +158,16 @@ def _not_reached(rerun: Rerun, answered: int) -> str:
     )
 
 
-def summary(reports: list[KeyReport]) -> str:
+def summary(reports: list[Outcome]) -> str:
     """One line for a batch: how many keys ended how."""
-    counts: dict[str, int] = {}
-    for report in reports:
-        counts[report.outcome] = counts.get(report.outcome, 0) + 1
-    parts = [f"{counts.get(name, 0)} {name}" for name in (COMPLETED, RELEASED, UNKNOWN)]
-    parts += [
-        f"{counts[name]} {name}" for name in (MARKED_UNKNOWN, RACED, FENCED) if name in counts
-    ]
-    parts.append(f"{counts.get(SKIPPED, 0)} skipped")
-    return f"{len(reports)} due: " + ", ".join(parts)
+    return report_summary(
+        reports, (COMPLETED, RELEASED, UNKNOWN, SKIPPED), (MARKED_UNKNOWN, RACED, FENCED)
+    )
 
 
-def run_deferred(app: Flask, tenant: str, key: str) -> KeyReport | None:
+def run_deferred(app: Flask, tenant: str, key: str) -> Outcome | None:
     """Run one key of *app* now if it is due (a deferred asynchronous key is due at
     once): what a worker's task does. None if there was nothing to run."""
     state = get_state(app)
-    completer = Completer(app, state.store, state.settings.route.lease)
+    completer = Completer(app, state.batches, state.settings.route.lease)
     return completer.run_key(tenant, key, timedelta(seconds=state.settings.complete_after))

@@ -14,33 +14,22 @@ import click
 from flask import current_app
 from flask.cli import with_appcontext
 
-from . import signals
-from .cli_operators import operations, who
-from .errors import ConfigError, StoreError
-from .heartbeats import record_batch
-from .maintenance import Maintenance
-from .model import KeyStatus, StoredResponse
-from .pool import probe
-from .postgres import PostgresStore
-from .state import IdempotencyState, get_state
-
-
-def cli_state() -> IdempotencyState:
-    """The app's extension state; a config error is one line and exit 1."""
-    try:
-        return get_state()
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from exc
+from .. import signals
+from ..model import KeyStatus, StoredResponse
+from ..state import get_state
+from ..store.maintenance import Maintenance
+from ..store.pool import probe
+from ..store.postgres import PostgresStore
+from .changes import operations, who
+from .loop import LOOP, Batch, cli_state, one_line, run_batches
 
 
 def _store() -> PostgresStore:
     """The app's store, once its database answered a connection: else one line with
     the cause (refused, no such database, authentication failed) and exit 1."""
     store = cli_state().store
-    try:
+    with one_line("cannot connect to the idempotency database: "):
         probe(store.settings)
-    except StoreError as exc:
-        raise click.ClickException(f"cannot connect to the idempotency database: {exc}") from exc
     return store
 
 
@@ -63,8 +52,7 @@ def _maintenance() -> Maintenance:
 def init_command() -> None:
     store = _store()
     try:
-        with store.pool.connection() as conn:
-            created = store.schema.create(conn)
+        created = store.create_schema()
     except Exception as exc:  # one line for the operator, not a traceback
         raise click.ClickException(f"cannot create the schema: {exc}") from exc
     table = store.settings.table
@@ -96,34 +84,38 @@ def init_command() -> None:
     help="Seconds past the end of a lease before a claim counts as abandoned.",
 )
 @click.option("--dry-run", is_flag=True, help="Only count what would be done; change nothing.")
+@LOOP
 @with_appcontext
-def clean_command(batch_size: int, margin: float, dry_run: bool) -> None:
+def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float | None) -> None:
     maintenance = _maintenance()
     route = get_state().settings.route
     abandoned_status = KeyStatus.RETRYABLE if route.on_abandoned == "retry" else KeyStatus.UNKNOWN
     grace = timedelta(seconds=margin)
-    try:
-        if dry_run:
+    if dry_run:
+        with one_line():
             expired = maintenance.count_expired()
             abandoned = maintenance.count_abandoned(grace)
-            click.echo(
-                f"dry run: would delete {expired} expired keys and mark {abandoned}"
-                f" abandoned claims {abandoned_status.value}"
-            )
-            return
+        click.echo(
+            f"dry run: would delete {expired} expired keys and mark {abandoned}"
+            f" abandoned claims {abandoned_status.value}"
+        )
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+
+    def clean() -> Batch:
         deleted = _batches(lambda: maintenance.delete_expired(batch_size), batch_size)
         marked = _batches(
             lambda: maintenance.mark_abandoned(grace, abandoned_status, batch_size), batch_size
         )
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(
-        f"deleted {deleted} expired keys; marked {marked} abandoned claims {abandoned_status.value}"
-    )
-    current_app.logger.info("idempotency-clean deleted=%d marked=%d", deleted, marked)
-    record_batch("clean", None, {"deleted": deleted, "marked": marked})
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
+        signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
+        return Batch(
+            [],
+            f"deleted {deleted} expired keys; marked {marked} abandoned claims"
+            f" {abandoned_status.value}",
+            counts={"deleted": deleted, "marked": marked},
+        )
+
+    run_batches("idempotency-clean", interval, clean)
 
 
 def _batches(run_batch: Callable[[], int], batch_size: int) -> int:
@@ -187,15 +179,13 @@ def list_command(
     if dead_jobs or failing_jobs:
         _list_jobs(maintenance, dead=dead_jobs, limit=limit)
         return
-    try:
+    with one_line():
         rows = maintenance.list_keys(
             status=KeyStatus(status) if status else None,
             tenant=tenant,
             older_than=timedelta(seconds=older_than),
             limit=limit,
         )
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(f"{'TENANT':<16} {'KEY':<40} {'STATUS':<10} {'ATTEMPT':>7} {'AGE':>10}  POINT")
     for row in rows:
         age = f"{row['age'].total_seconds():.0f}s"
@@ -207,10 +197,8 @@ def list_command(
 
 
 def _list_jobs(maintenance: Maintenance, *, dead: bool, limit: int) -> None:
-    try:
+    with one_line():
         rows = maintenance.list_jobs(dead=dead, limit=limit)
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(f"{'JOB':<36} {'NAME':<24} {'TENANT':<16} {'KEY':<32} {'TRIES':>5}  LAST ERROR")
     for row in rows:
         click.echo(
@@ -222,10 +210,8 @@ def _list_jobs(maintenance: Maintenance, *, dead: bool, limit: int) -> None:
 
 def _list_exhausted(maintenance: Maintenance, limit: int) -> None:
     max_attempts = get_state().settings.reconcile_max_attempts
-    try:
+    with one_line():
         rows = maintenance.list_exhausted(max_attempts, limit)
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(f"{'TENANT':<16} {'KEY':<40} {'ATTEMPT':>7} {'LOOKS':>5}  LAST ERROR")
     for row in rows:
         click.echo(
@@ -245,10 +231,8 @@ def _first_line(text: str | None) -> str:
 @with_appcontext
 def show_command(key: str, tenant: str) -> None:
     maintenance = _maintenance()
-    try:
+    with one_line():
         row = maintenance.get_key(tenant, key)
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
     if row is None:
         raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
     body = row.pop("response_body")
@@ -310,7 +294,7 @@ def resolve_command(
         response = StoredResponse(status_code, pairs, body.encode())
     elif status_code is not None or body or headers:
         raise click.UsageError("--status, --body and --header go with --as completed")
-    try:
+    with one_line():
         done = ops.resolve(
             tenant,
             key,
@@ -320,8 +304,6 @@ def resolve_command(
             reason=reason,
             response=response,
         )
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
     if not done:
         raise click.ClickException(f"no key {key!r} in status 'unknown' in tenant {tenant!r}")
     click.echo(f"key {key!r} resolved as {outcome}")

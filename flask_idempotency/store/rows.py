@@ -1,12 +1,12 @@
-"""Between rows and data types: what the claim statement's row means. No SQL is run
-here; :mod:`.postgres` runs it. The bound parameters that store a response or a
-request are :class:`.sealing.AtRest`'s."""
+"""Between rows and data types: what the claim statement's row means, and text as
+PostgreSQL can hold it. No SQL is run here; :mod:`.postgres` runs it. The bound
+parameters that store a response or a request are :class:`.sealing.AtRest`'s."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .model import ClaimOutcome, Decision, KeyStatus
+from ..model import ClaimOutcome, Decision, KeyStatus
 from .sealing import AtRest
 
 
@@ -44,3 +44,13 @@ def claim_outcome(
             expires_at=expires_at,
         )
     return ClaimOutcome(decision, attempt=seen_attempt or 0)
+
+
+def storable_text(message: str) -> str:
+    """*message* as PostgreSQL text can hold it: NUL and lone surrogates escaped."""
+    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+
+
+def is_storable_text(value: Any) -> bool:
+    """*value* is text PostgreSQL can hold as it is (no NUL, no lone surrogate)."""
+    return isinstance(value, str) and value == storable_text(value)

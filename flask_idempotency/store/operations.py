@@ -14,14 +14,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from psycopg import sql
-from psycopg.rows import dict_row
 
-from .errors import EncryptionError
+from ..errors import EncryptionError
+from ..model import KeyStatus, StoredResponse
 from .filters import Count, JobFilter, KeyFilter, KeysPage, pg_text, storable
-from .model import KeyStatus, StoredResponse
-from .pool import bounded
 from .postgres import PostgresStore
-from .queries_console import (
+from .sealing import SEALED_HEADERS, SEALED_REQUEST
+from .statement import Statement
+from .statements_console import (
     AUDIT_PAGE,
     BEAT,
     CAPPED_COUNT,
@@ -45,7 +45,6 @@ from .queries_console import (
     UNKNOWN_ONLY,
     WINDOW_END,
 )
-from .sealing import SEALED_HEADERS, SEALED_REQUEST
 
 #: counts up to this are exact; above it the overview shows the planner's estimate
 EXACT_UP_TO = 10_000
@@ -64,16 +63,24 @@ class Operations:
         self.store = store
         schema = store.schema
         self._parts = {"audit": schema.audit, "heartbeats": schema.heartbeats}
+        self._statements: dict[tuple[str, tuple[tuple[str, str], ...]], Statement] = {}
 
     # -- running -------------------------------------------------------------------
 
     def _rows(
         self, query: str, params: Mapping[str, Any], **parts: sql.Composable
     ) -> list[dict[str, Any]]:
-        text = self.store.render(query, **self._parts, **parts)
-        with self.store.connection() as conn, bounded(conn, self.store.settings.statement_timeout):
-            cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(text, params, prepare=False).fetchall()
+        """Run *query* (with *parts* filled in) through the store's one execution path;
+        unprepared: operators' statements are rare, and their parts vary."""
+        return self.store.fetch(self._statement(query, parts), dict(params), prepare=False).dicts()
+
+    def _statement(self, query: str, parts: Mapping[str, sql.Composable]) -> Statement:
+        """*query* rendered once per set of *parts* (a page's order, a count's source)."""
+        name = (query, tuple(sorted((k, repr(v)) for k, v in parts.items())))
+        statement = self._statements.get(name)
+        if statement is None:
+            statement = self._statements[name] = self.store.statement(query, **self._parts, **parts)
+        return statement
 
     def _value(self, query: str, params: Mapping[str, Any], **parts: sql.Composable) -> Any:
         rows = self._rows(query, params, **parts)

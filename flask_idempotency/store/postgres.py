@@ -14,21 +14,22 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors, sql
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
-from .config import RouteSettings, Settings
-from .errors import AttemptSuperseded, StoreError
-from .jobs import StagedJob, stage_params
-from .keys import lock_id
-from .model import ClaimOutcome, KeyStatus, StoredResponse
+from ..config import RouteSettings, Settings
+from ..errors import AttemptSuperseded, StoreError
+from ..jobs import StagedJob, stage_params
+from ..keys import lock_id
+from ..model import ClaimOutcome, KeyStatus, StoredResponse
+from ..stored_request import StoredRequest
 from .pool import (
     bounded,
     is_prepared_statement_failure,
@@ -36,16 +37,17 @@ from .pool import (
     store_errors,
     warn_unprepared,
 )
-from .queries import ADVANCE, ASYNC_COMMIT, CLAIM, FINISH, STAGE_JOBS
 from .rows import claim_outcome
 from .schema import Schema
 from .sealing import AtRest, refused
-from .statement import Statement, execute
-from .stored_request import StoredRequest
+from .statement import Rows, Statement, execute, fetch
+from .statements_request import ADVANCE, ASYNC_COMMIT, CLAIM, DEFER, FINISH, KEY_STATUS, STAGE_JOBS
 
 __all__ = ["PinnedConnection", "PostgresStore", "store_errors"]
 
 logger = logging.getLogger("flask_idempotency")
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -108,10 +110,19 @@ class PostgresStore:
             for staging in (False, True)
         }
         self._notify = Statement(sql.SQL("SELECT {}").format(notify).as_string())
+        self._defers = {
+            staging: self.statement(_staging(DEFER) if staging else DEFER)
+            for staging in (False, True)
+        }
+        self._key_status = self.statement(KEY_STATUS)
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
         return sql.SQL(query).format(table=self.table, jobs=self.schema.jobs, **parts).as_string()
+
+    def statement(self, query: str, **parts: sql.Composable) -> Statement:
+        """*query*, rendered once, for :meth:`run` and :meth:`fetch`."""
+        return Statement(self.render(query, **parts))
 
     # -- connections ---------------------------------------------------------------
 
@@ -131,6 +142,12 @@ class PostgresStore:
                 self._schema_ready = False
             return self._pool
 
+    @property
+    def conninfo(self) -> str:
+        """The pool's connection string (for the listener's own connection)."""
+        conninfo = self.pool.conninfo
+        return conninfo() if callable(conninfo) else conninfo
+
     def _checkout(self) -> psycopg.Connection[Any]:
         """A connection from the pool, once the schema is there; StoreError if none comes."""
         pool = self.pool
@@ -143,8 +160,11 @@ class PostgresStore:
         return conn
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection for one unit of work; store failures become StoreError."""
+    def _pooled(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for one statement (:meth:`_execute` bounds it); store
+        failures become StoreError. Nothing else gets a connection of the pool but
+        :meth:`pin` (a transaction whose statements go through :meth:`run`) and
+        :meth:`phase` (the view's own block)."""
         conn = self._checkout()
         # getconn/putconn, not pool.connection(): in autocommit there is nothing to end
         try:
@@ -172,6 +192,17 @@ class PostgresStore:
                 with bounded(conn, self.settings.statement_timeout):
                     self.schema.create(conn)
             self._schema_ready = True
+
+    def create_schema(self) -> bool:
+        """Create the tables, or upgrade tables made by an earlier release online;
+        False if they were there already (``flask idempotency-init``).
+
+        Not bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT``: an index built concurrently
+        on a big table takes as long as it takes; its waits on locks are bounded by
+        the schema's own ``lock_timeout``.
+        """
+        with self.pool.connection() as conn:
+            return self.schema.create(conn)
 
     def _recoverable(self, exc: BaseException | None) -> bool:
         """True if the statement that failed with *exc* never ran and can run again:
@@ -219,7 +250,7 @@ class PostgresStore:
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
             **stored,
         }
-        _, row = self._run(self._claim, params, pinned)
+        _, row = self.run(self._claim, params, pinned)
         assert row is not None
         with refused("the stored response cannot be read"):
             return claim_outcome(row, fingerprint, self.at_rest, tenant, key)
@@ -281,40 +312,123 @@ class PostgresStore:
         }
         if jobs:
             params.update(stage_params(jobs))
-        rowcount, row = self._run(self._finishes[notify, bool(jobs)], params, pinned)
+        rowcount, row = self.run(self._finishes[notify, bool(jobs)], params, pinned)
         return row[1] if rowcount == 1 and row is not None else None
 
     def notify(self, tenant: str, key: str) -> None:
         """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
-        self._run(self._notify, {"lock_id": lock_id(tenant, key)})
+        self.run(self._notify, {"lock_id": lock_id(tenant, key)})
 
-    def _run(
+    def defer(
+        self,
+        tenant: str,
+        key: str,
+        outcome: ClaimOutcome,
+        *,
+        jobs: Sequence[StagedJob] = (),
+        pinned: PinnedConnection | None = None,
+    ) -> None:
+        """Hand the claimed key to the background (``asynchronous=True``), with *jobs*;
+        with *pinned*, the deferral commits the claim's transaction."""
+        params: dict[str, Any] = {
+            "tenant": tenant,
+            "key": key,
+            "attempt": outcome.attempt,
+            "generation": outcome.generation,
+        }
+        if jobs:
+            params.update(stage_params(jobs))
+        self.run(self._defers[bool(jobs)], params, pinned)
+        if pinned is not None:
+            self.unpin(pinned, commit=True)
+
+    def key_status(
+        self, tenant: str, key: str
+    ) -> tuple[KeyStatus, StoredResponse | None, datetime | None] | None:
+        """A key's status, stored response (opened if sealed) and ``expires_at`` (the
+        ``Location`` view); None if no such key.
+
+        :raises StoreError: the store failed, or the stored response cannot be opened.
+        """
+        _, row = self.run(self._key_status, {"tenant": tenant, "key": key})
+        if row is None:
+            return None
+        status, code, headers, body, expires_at = row
+        if code is None:
+            return KeyStatus(status), None, expires_at
+        with refused("the stored response cannot be read"):
+            stored = self.at_rest.open_response(tenant, key, code, headers, body)
+        return KeyStatus(status), stored, expires_at
+
+    # -- the one execution path ------------------------------------------------------
+
+    def run(
         self,
         query: Statement,
         params: dict[str, Any],
         pinned: PinnedConnection | None = None,
+        *,
+        prepare: bool | None = None,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
-        its first row, if any. A statement that failed without running runs once
-        more."""
+        its first row, if any.
+
+        Every statement the package sends comes through here or :meth:`fetch`: the
+        pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
+        the statement, and one that failed without running (a prepared statement a
+        transaction pooler lost, a dropped table) runs once more. ``prepare=False``
+        never prepares it (a statement inside a longer transaction, whose failure
+        could not be retried alone).
+
+        :raises StoreError: the store failed.
+        """
+        return self._attempt(execute, query, params, pinned, prepare)
+
+    def fetch(
+        self,
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None = None,
+        *,
+        prepare: bool | None = None,
+    ) -> Rows:
+        """Run one statement as :meth:`run` does: every row it returned.
+
+        :raises StoreError: the store failed.
+        """
+        return self._attempt(fetch, query, params, pinned, prepare)
+
+    def _attempt(
+        self,
+        runner: Callable[[psycopg.Connection[Any], Statement, dict[str, Any], bool | None], _T],
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None,
+        prepare: bool | None,
+    ) -> _T:
         try:
-            return self._execute(query, params, pinned)
+            return self._execute(runner, query, params, pinned, prepare)
         except StoreError as exc:
             if pinned is not None or not self._recoverable(exc.__cause__):
                 raise
-        return self._execute(query, params, None)
+        return self._execute(runner, query, params, None, prepare)
 
     def _execute(
-        self, query: Statement, params: dict[str, Any], pinned: PinnedConnection | None
-    ) -> tuple[int, tuple[Any, ...] | None]:
+        self,
+        runner: Callable[[psycopg.Connection[Any], Statement, dict[str, Any], bool | None], _T],
+        query: Statement,
+        params: dict[str, Any],
+        pinned: PinnedConnection | None,
+        prepare: bool | None,
+    ) -> _T:
         with self._connection_for(pinned) as conn:
             with bounded(conn, self.settings.statement_timeout):
-                return execute(conn, query, params, self._prepare)
+                return runner(conn, query, params, False if prepare is False else self._prepare)
 
     @contextmanager
     def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
         if pinned is None:
-            with self.connection() as conn:
+            with self._pooled() as conn:
                 yield conn
         else:
             with store_errors():
@@ -340,7 +454,7 @@ class PostgresStore:
             with store_errors(), bounded(conn, self.settings.statement_timeout):
                 if commit:
                     conn.commit()
-                else:
+                elif not conn.closed:  # closed (a statement timed out): nothing to undo
                     conn.rollback()
         finally:
             if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 import xxhash
@@ -68,6 +68,18 @@ class _Runner:
         self.prepared: dict[tuple[bytes, Any], bytes] = {}
 
 
+class Rows(NamedTuple):
+    """Every row of a statement (:func:`fetch`), with its columns' names."""
+
+    rowcount: int
+    columns: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        """The rows as ``{column: value}``."""
+        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+
+
 def execute(
     conn: psycopg.Connection[Any],
     statement: Statement,
@@ -80,7 +92,39 @@ def execute(
     (``prepare_threshold = None``). Errors are psycopg's, as a cursor raises them.
     """
     if not conn.autocommit and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
-        return _execute_beginning(conn, statement, params, prepare)
+        cur = _execute_beginning(conn, statement, params, prepare)
+        result = cur.pgresult
+        return cur.rowcount, cur.fetchone() if result is not None and result.ntuples else None
+    tx, result = _result(conn, statement, params, prepare)
+    row = tx.load_row(0, tuple) if result.ntuples else None
+    return result.command_tuples or 0, row
+
+
+def fetch(
+    conn: psycopg.Connection[Any],
+    statement: Statement,
+    params: Mapping[str, Any],
+    prepare: bool | None,
+) -> Rows:
+    """Run *statement* on *conn* as :func:`execute` does: every row it returned."""
+    if not conn.autocommit and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+        cur = _execute_beginning(conn, statement, params, prepare)
+        names = tuple(column.name for column in cur.description or ())
+        return Rows(cur.rowcount, names, cur.fetchall() if names else [])
+    tx, result = _result(conn, statement, params, prepare)
+    encoding = conn.info.encoding
+    names = tuple((result.fname(i) or b"").decode(encoding) for i in range(result.nfields))
+    return Rows(result.command_tuples or 0, names, tx.load_rows(0, result.ntuples, tuple))
+
+
+def _result(
+    conn: psycopg.Connection[Any],
+    statement: Statement,
+    params: Mapping[str, Any],
+    prepare: bool | None,
+) -> tuple[Any, pq.abc.PGresult]:
+    """Send *statement* (prepared if it may be) and wait for its result: the adapters
+    that load it, and the result."""
     runner: _Runner | None = getattr(conn, "_idempotency_runner", None)
     if runner is None:
         runner = _Runner(conn)
@@ -104,8 +148,7 @@ def execute(
     if result.status not in _OK:
         raise errors.error_from_result(result, encoding=conn.info.encoding)
     tx.set_pgresult(result)
-    row = tx.load_row(0, tuple) if result.ntuples else None
-    return result.command_tuples or 0, row
+    return tx, result
 
 
 def _prepared_name(
@@ -162,11 +205,9 @@ def _execute_beginning(
     statement: Statement,
     params: Mapping[str, Any],
     prepare: bool | None,
-) -> tuple[int, tuple[Any, ...] | None]:
+) -> psycopg.RawCursor[Any]:
     """The first statement of a transaction psycopg has not begun yet (a pinned
     connection): its cursor sends the ``BEGIN`` with it."""
     cur = psycopg.RawCursor(conn)
     cur.execute(statement.text, statement.args(params), prepare=prepare)
-    result = cur.pgresult
-    row = cur.fetchone() if result is not None and result.ntuples else None
-    return cur.rowcount, row
+    return cur

@@ -1,4 +1,5 @@
-"""Handing committed jobs to a real queue: ``flask idempotency-dispatch`` (SPEC §10).
+"""Handing committed jobs to a real queue: ``flask idempotency-dispatch`` (README "Work
+that outlives the request").
 
 Each batch is held by row locks (``FOR UPDATE SKIP LOCKED``) for as long as its
 transaction lives, so dispatchers on several hosts share the table, and one that dies
@@ -16,10 +17,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .jobs import Job
-from .keys import tenant_tag
-from .postgres import PostgresStore
-from .queries import DELETE_JOBS, DUE_JOBS, FAIL_JOBS
+from ..jobs import Job
+from ..keys import tenant_tag
+from ..store.batches import Batches
+from ..store.rows import storable_text
+from .report import Outcome
+from .report import summary as report_summary
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -40,21 +43,8 @@ class Undispatched:
     counts: bool
 
 
-@dataclasses.dataclass
-class BatchReport:
-    """What one dispatch batch did."""
-
-    dispatched: int = 0
-    #: every job that was not dispatched, and why
-    undispatched: list[Undispatched] = dataclasses.field(default_factory=list)
-
-    @property
-    def failed(self) -> int:
-        return sum(1 for u in self.undispatched if u.counts)
-
-    @property
-    def unknown(self) -> int:
-        return sum(1 for u in self.undispatched if not u.counts)
+#: a dispatch batch's outcomes, in the order its summary line gives them
+DISPATCHED, FAILED, UNKNOWN_NAME = "dispatched", "failed", "unknown_name"
 
 
 class Dispatcher:
@@ -62,41 +52,42 @@ class Dispatcher:
 
     def __init__(
         self,
-        store: PostgresStore,
+        batches: Batches,
         dispatch: DispatchFunction,
         *,
         backoff: timedelta,
         max_attempts: int,
     ) -> None:
-        self.store = store
+        self.batches = batches
         self.dispatch = dispatch
         self.backoff = backoff
         self.max_attempts = max_attempts
 
-    def run_batch(self, limit: int) -> BatchReport:
+    def run_batch(self, limit: int) -> list[Outcome]:
         """Lock up to *limit* due jobs, hand each over, then forget the dispatched ones
-        and reschedule the others, all in one transaction.
+        and reschedule the others, all in one transaction: what became of each.
 
         :raises StoreError: the store failed; nothing was forgotten.
         """
-        report = BatchReport()
-        store = self.store
-        with store.connection() as conn, conn.transaction():
-            rows = conn.execute(store.render(DUE_JOBS), {"limit": limit}, prepare=False).fetchall()
+        outcomes: list[Outcome] = []
+        with self.batches.due_jobs(limit) as (rows, batch):
             done: list[str] = []
+            kept: list[Undispatched] = []
             for row in rows:
                 job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
                 undispatched = self._hand_over(job)
                 if undispatched is None:
                     done.append(job.id)
+                    outcomes.append(_outcome(job, DISPATCHED))
                 else:
-                    report.undispatched.append(undispatched)
-            report.dispatched = len(done)
+                    kept.append(undispatched)
+                    name = FAILED if undispatched.counts else UNKNOWN_NAME
+                    outcomes.append(_outcome(job, name, undispatched.reason))
             if done:
-                conn.execute(store.render(DELETE_JOBS), {"ids": done}, prepare=False)
-            if report.undispatched:
-                conn.execute(store.render(FAIL_JOBS), self._failure_params(report), prepare=False)
-        return report
+                self.batches.forget_jobs(done, batch)
+            if kept:
+                self.batches.fail_jobs(self._failure_params(kept), batch)
+        return outcomes
 
     def _hand_over(self, job: Job) -> Undispatched | None:
         """Dispatch one job; None once the dispatcher accepted it."""
@@ -120,20 +111,25 @@ class Dispatcher:
                 job.attempts + 1,
                 traceback.format_exc(),
             )
-            return Undispatched(job, _text(f"{type(exc).__name__}: {exc}")[:2000], True)
+            return Undispatched(job, storable_text(f"{type(exc).__name__}: {exc}")[:2000], True)
         return None
 
-    def _failure_params(self, report: BatchReport) -> dict[str, Any]:
+    def _failure_params(self, kept: list[Undispatched]) -> dict[str, Any]:
         return {
-            "ids": [u.job.id for u in report.undispatched],
-            "errors": [u.reason for u in report.undispatched],
-            "countable": [u.counts for u in report.undispatched],
+            "ids": [u.job.id for u in kept],
+            "errors": [u.reason for u in kept],
+            "countable": [u.counts for u in kept],
             "backoff": self.backoff,
             "cap": MAX_BACKOFF,
             "max_attempts": self.max_attempts,
         }
 
 
-def _text(message: str) -> str:
-    """*message* as PostgreSQL text can hold it (no NUL, no lone surrogates)."""
-    return message.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+def summary(outcomes: list[Outcome]) -> str:
+    """One line for a batch: how many jobs were handed over, how many kept."""
+    return report_summary(outcomes, (DISPATCHED, FAILED), (UNKNOWN_NAME,))
+
+
+def _outcome(job: Job, outcome: str, reason: str = "") -> Outcome:
+    detail = f"job {job.id} {job.name!r}" + (f": {reason}" if reason else "")
+    return Outcome(job.tenant, job.key, outcome, job.attempts + 1, detail, job.id)

@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
-from .keys import lock_id
-from .queries import (
+from ..keys import lock_id
+from .ddl import (
     ADD_COLUMN,
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,
@@ -35,7 +35,7 @@ from .queries import (
     TABLE,
     UPGRADE_COLUMNS,
 )
-from .queries_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
+from .statements_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -90,7 +90,7 @@ class Schema:
         #: index name → its definition after ``ON``
         self.indexes = {f"{name}_{suffix}": INDEXES[suffix] for suffix in INDEXES}
         jobs_parts = jobs_table.split(".")
-        #: the staged jobs' table (SPEC §10), quoted as needed
+        #: the staged jobs' table (README "Work that outlives the request"), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
         jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""

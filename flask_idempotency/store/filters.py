@@ -8,7 +8,7 @@ import dataclasses
 from datetime import datetime, timedelta
 from typing import Any
 
-from .model import KeyStatus
+from ..model import KeyStatus
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """The operators' statements: cleaning, listing, showing and resolving keys.
 
-Never on the request path; each method is one short transaction on a pooled
-connection of the app's :class:`~.postgres.PostgresStore`, unprepared (each runs
-rarely, and a transaction pooler may be in between).
+Never on the request path; each method is one statement through the store's one
+execution path (:meth:`~.postgres.PostgresStore.run`), rendered once.
 """
 
 from __future__ import annotations
@@ -11,49 +10,60 @@ from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
-from psycopg.rows import dict_row
 
-from .model import KeyStatus, StoredResponse
-from .pool import bounded
+from ..model import KeyStatus, StoredResponse
 from .postgres import PostgresStore
-from .queries import (
+from .sealing import refused
+from .statements_background import (
     COUNT_ABANDONED,
     COUNT_BACKLOG,
     COUNT_EXPIRED,
     COUNT_STUCK,
+    DEFERRED,
     DELETE_EXPIRED,
+    LIST_EXHAUSTED,
     LIST_JOBS,
     LIST_KEYS,
     MARK_ABANDONED,
     RESOLVE_KEY,
     SHOW_KEY,
 )
-from .queries_background import DEFERRED, LIST_EXHAUSTED
-from .sealing import refused
 
 
 class Maintenance:
-    """Runs the maintenance statements on *store*'s pool."""
+    """Runs the operators' statements on *store*."""
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
+        statement = store.statement
+        self._delete_expired = statement(DELETE_EXPIRED)
+        self._count_expired = statement(COUNT_EXPIRED)
+        self._mark_abandoned = statement(MARK_ABANDONED)
+        self._count_abandoned = statement(COUNT_ABANDONED)
+        self._list_keys = statement(LIST_KEYS)
+        self._show_key = statement(SHOW_KEY)
+        self._resolve = statement(RESOLVE_KEY)
+        self._list_jobs = statement(LIST_JOBS)
+        self._count_stuck = statement(COUNT_STUCK)
+        self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
+        self._list_exhausted = statement(LIST_EXHAUSTED)
 
     def delete_expired(self, batch_size: int) -> int:
         """Delete one batch of finished keys past ``expires_at``; the number deleted."""
-        return self._rowcount(DELETE_EXPIRED, {"batch": batch_size})
+        return self.store.run(self._delete_expired, {"batch": batch_size})[0]
 
     def count_expired(self) -> int:
         """How many finished keys are past ``expires_at``."""
-        return self._count(COUNT_EXPIRED, {})
+        return self._count(self.store.run(self._count_expired, {})[1])
 
     def mark_abandoned(self, margin: timedelta, status: KeyStatus, batch_size: int) -> int:
         """Mark one batch of claims whose lease ended more than *margin* ago."""
         params = {"margin": margin, "status": status.value, "batch": batch_size}
-        return self._rowcount(MARK_ABANDONED, params)
+        return self.store.run(self._mark_abandoned, params)[0]
 
     def count_abandoned(self, margin: timedelta) -> int:
         """How many claims have had their lease end more than *margin* ago."""
-        return self._count(COUNT_ABANDONED, {"margin": margin})
+        return self._count(self.store.run(self._count_abandoned, {"margin": margin})[1])
 
     def list_keys(
         self,
@@ -70,21 +80,18 @@ class Maintenance:
             "older_than": older_than,
             "limit": limit,
         }
-        with self.store.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.store.render(LIST_KEYS), params, prepare=False).fetchall()
+        return self.store.fetch(self._list_keys, params).dicts()
 
     def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
-        """Everything stored for one key (its response decrypted), or None.
+        """Everything stored for one key (its response opened if sealed), or None.
 
         :raises StoreError: the store failed, or the stored response cannot be opened.
         """
-        with self.store.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            row = cur.execute(
-                self.store.render(SHOW_KEY), {"tenant": tenant, "key": key}, prepare=False
-            ).fetchone()
-        if row is not None and row["response_status"] is not None:
+        rows = self.store.fetch(self._show_key, {"tenant": tenant, "key": key}).dicts()
+        if not rows:
+            return None
+        row = rows[0]
+        if row["response_status"] is not None:
             status, headers, body = (
                 row[f"response_{part}"] for part in ("status", "headers", "body")
             )
@@ -105,7 +112,7 @@ class Maintenance:
     ) -> bool:
         """Resolve an ``unknown`` key as retryable, or as completed with *response*;
         False when there is no such key in ``unknown`` (or, with *fence*, when the key
-        is no longer at that ``(attempt, generation, looks)``)."""
+        is no longer at that ``(attempt, generation, reconcile_attempts)``)."""
         attempt, generation, looks = fence or (None, None, None)
         with refused("the response could not be stored"):
             stored = self.store.at_rest.response_params(tenant, key, response)
@@ -119,51 +126,32 @@ class Maintenance:
             "generation": generation,
             "looks": looks,
         }
-        return self._rowcount(RESOLVE_KEY, params) == 1
+        return self.store.run(self._resolve, params)[0] == 1
 
     def list_jobs(self, *, dead: bool, limit: int) -> list[dict[str, Any]]:
         """Dead staged jobs (``dead=True``), or the failing ones: not dead, and whose
         hand-over failed at least once (a job never tried is not failing)."""
-        with self.store.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(
-                self.store.render(LIST_JOBS), {"dead": dead, "limit": limit}
-            ).fetchall()
+        return self.store.fetch(self._list_jobs, {"dead": dead, "limit": limit}).dicts()
 
     def count_stuck(self, max_attempts: int) -> tuple[int, int, int]:
         """Claims whose lease ran out, keys in ``unknown``, and the unknown keys that
         had *max_attempts* undecided reconciliation looks (exhausted)."""
-        row = self._counts(self.store.render(COUNT_STUCK), {"max_attempts": max_attempts})
-        return row[0], row[1], row[2]
+        _, row = self.store.run(self._count_stuck, {"max_attempts": max_attempts})
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2])
 
     def count_backlog(self) -> tuple[int, int, int, int]:
         """Deferred keys (``asynchronous=True``, waiting for a run), and the staged jobs
         that are due (never tried, not failing), failing (not dead) and dead."""
-        row = self._counts(self.store.render(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED)), {})
-        return row[0], row[1], row[2], row[3]
-
-    def _counts(self, query: str, params: dict[str, Any]) -> list[int]:
-        """One row of counts, read at scrape time: bounded, so a silent database costs a
-        scrape ``IDEMPOTENCY_STATEMENT_TIMEOUT``, not the scraper's own timeout."""
-        with self.store.connection() as conn:
-            with bounded(conn, self.store.settings.statement_timeout):
-                row = conn.execute(query, params, prepare=False).fetchone()
+        _, row = self.store.run(self._count_backlog, {})
         assert row is not None
-        return [int(n) for n in row]
+        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
     def list_exhausted(self, max_attempts: int, limit: int) -> list[dict[str, Any]]:
         """The dead-letter list: unknown keys whose reconciliation gave up."""
-        with self.store.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            params = {"max_attempts": max_attempts, "limit": limit}
-            query = self.store.render(LIST_EXHAUSTED)
-            return cur.execute(query, params, prepare=False).fetchall()
+        params = {"max_attempts": max_attempts, "limit": limit}
+        return self.store.fetch(self._list_exhausted, params).dicts()
 
-    def _rowcount(self, query: str, params: dict[str, Any]) -> int:
-        with self.store.connection() as conn:
-            return conn.execute(self.store.render(query), params, prepare=False).rowcount
-
-    def _count(self, query: str, params: dict[str, Any]) -> int:
-        with self.store.connection() as conn:
-            row = conn.execute(self.store.render(query), params, prepare=False).fetchone()
+    @staticmethod
+    def _count(row: tuple[Any, ...] | None) -> int:
         return int(row[0]) if row else 0

@@ -8,7 +8,7 @@ data-modifying ``WITH``), with the database's clock.
 
 from __future__ import annotations
 
-from .queries import RESOLVE_KEY
+from .statements_background import RESOLVE_KEY
 
 # -- the tables ------------------------------------------------------------------------
 

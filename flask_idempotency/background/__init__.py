@@ -1,0 +1,1 @@
+"""The batch runners of the background processes: no SQL, no HTTP."""

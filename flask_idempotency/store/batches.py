@@ -1,0 +1,204 @@
+"""The background's statements: the completer's, the reconciler's and the dispatcher's.
+
+No client waits on them. Each is a method running one statement through the store's
+one execution path (:meth:`~.postgres.PostgresStore.run`): rendered once, bounded by
+``IDEMPOTENCY_STATEMENT_TIMEOUT`` and the pool's timeout, with the fallback to
+unprepared statements behind a transaction pooler.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from psycopg import sql
+
+from ..keys import lock_id
+from ..stored_request import StoredRequest
+from .postgres import PinnedConnection, PostgresStore
+from .statements_background import (
+    COUNT_DUE_FOR_COMPLETION,
+    DEFERRED,
+    DELETE_JOBS,
+    DUE_FOR_COMPLETION,
+    DUE_FOR_RECONCILE,
+    DUE_JOBS,
+    FAIL_JOBS,
+    KEY_STATE,
+    MARK_UNKNOWN,
+    RESCHEDULE,
+    TAKE_OVER,
+    UNRESERVE,
+)
+
+#: a key's fence, as a batch saw it: (tenant, key, attempt, generation, reserved)
+Fence = tuple[str, str, int, int, "datetime.datetime | None"]
+
+
+class Batches:
+    """Runs the background's statements on *store*."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        statement = store.statement
+        deferred = sql.SQL(DEFERRED)
+        self._due_for_completion = statement(DUE_FOR_COMPLETION, deferred=deferred)
+        self._count_due = statement(COUNT_DUE_FOR_COMPLETION, deferred=deferred)
+        self._take_over = statement(TAKE_OVER)
+        self._unreserve = statement(UNRESERVE)
+        self._mark_unknown = statement(MARK_UNKNOWN)
+        self._key_state = statement(KEY_STATE)
+        self._due_for_reconcile = statement(DUE_FOR_RECONCILE)
+        self._reschedule = statement(RESCHEDULE)
+        self._due_jobs = statement(DUE_JOBS)
+        self._delete_jobs = statement(DELETE_JOBS)
+        self._fail_jobs = statement(FAIL_JOBS)
+
+    def open_request(
+        self, tenant: str, key: str, document: str, body: bytes | None
+    ) -> StoredRequest:
+        """The stored request of a batch's row, opened if it is sealed
+        (``IDEMPOTENCY_ENCRYPTOR``).
+
+        :raises ValueError: it is not readable (:class:`EncryptionError`: sealed, and it
+            cannot be opened).
+        """
+        return self.store.at_rest.open_request(tenant, key, document, body)
+
+    # -- the completer --------------------------------------------------------------
+
+    def due_for_completion(
+        self,
+        older_than: timedelta,
+        limit: int,
+        hold: timedelta,
+        only: tuple[str, str] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """Reserve up to *limit* due keys for *hold* (only the key *only*, if given):
+        ``(tenant, key, status, attempt, generation, fingerprint, request,
+        request_body, reserved)`` each."""
+        params = {
+            "older_than": older_than,
+            "limit": limit,
+            "hold": hold,
+            "only_tenant": only[0] if only else None,
+            "only_key": only[1] if only else None,
+        }
+        return self.store.fetch(self._due_for_completion, params).rows
+
+    def count_due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
+        """The keys a completer batch would take now; reserves nothing."""
+        params = {"older_than": older_than, "limit": limit}
+        return self.store.fetch(self._count_due, params).dicts()
+
+    def take_over(
+        self,
+        fence: Fence,
+        fingerprint: bytes,
+        *,
+        lease: timedelta,
+        ttl: timedelta,
+        pinned: PinnedConnection | None = None,
+    ) -> tuple[Any, ...] | None:
+        """Take a reserved key over as a client retry would (the next attempt, fenced
+        by the reservation): ``(attempt, generation, recovery_point)``, or None if the
+        key changed meanwhile."""
+        params = _fence_params(fence)
+        params.update(
+            fingerprint=fingerprint, lease=lease, ttl=ttl, lock_id=lock_id(fence[0], fence[1])
+        )
+        return self.store.run(self._take_over, params, pinned)[1]
+
+    def unreserve(self, fence: Fence) -> None:
+        """Leave a key that was not run as it was: end the batch's reservation."""
+        self.store.run(self._unreserve, _fence_params(fence))
+
+    def mark_unknown(self, fence: Fence) -> bool:
+        """An abandoned claim of a route with ``ON_ABANDONED = "unknown"`` becomes
+        ``unknown``; False if it changed meanwhile."""
+        return self.store.run(self._mark_unknown, _fence_params(fence))[0] == 1
+
+    def key_state(self, tenant: str, key: str) -> tuple[Any, ...] | None:
+        """``(status, attempt, response_status)`` of a key, or None."""
+        return self.store.run(self._key_state, {"tenant": tenant, "key": key})[1]
+
+    # -- the reconciler -------------------------------------------------------------
+
+    def due_for_reconcile(
+        self, max_attempts: int, limit: int, hold: timedelta
+    ) -> list[tuple[Any, ...]]:
+        """Reserve up to *limit* due ``unknown`` keys for *hold*: ``(tenant, key,
+        attempt, generation, recovery_point, reconcile_attempts, request,
+        request_body)`` each."""
+        params = {"max_attempts": max_attempts, "limit": limit, "hold": hold}
+        return self.store.fetch(self._due_for_reconcile, params).rows
+
+    def reschedule(
+        self,
+        fence: tuple[str, str, int, int, int],
+        *,
+        backoff: timedelta,
+        cap: timedelta,
+        error: str | None,
+    ) -> tuple[int, float] | None:
+        """Count an undecided look at an ``unknown`` key (fenced by *fence*: tenant,
+        key, attempt, generation, reconcile_attempts) and schedule the next:
+        ``(reconcile_attempts, seconds until due)``, or None if the key changed."""
+        tenant, key, attempt, generation, looks = fence
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "attempt": attempt,
+            "generation": generation,
+            "looks": looks,
+            "backoff": backoff,
+            "cap": cap,
+            "error": error,
+        }
+        row = self.store.run(self._reschedule, params)[1]
+        return None if row is None else (int(row[0]), float(row[1]))
+
+    # -- the dispatcher -------------------------------------------------------------
+
+    @contextmanager
+    def due_jobs(self, limit: int) -> Iterator[tuple[list[tuple[Any, ...]], PinnedConnection]]:
+        """Lock up to *limit* due jobs in a transaction that lasts the block: ``(id,
+        name, payload, tenant, key, attempts)`` each, and the transaction for
+        :meth:`forget_jobs` and :meth:`fail_jobs`. Commits when the block ends, rolls
+        back if it raises.
+
+        Its statements are never prepared: a lost prepared statement would abort a
+        transaction whose jobs were handed over already.
+        """
+        store = self.store
+        pinned = store.pin()
+        try:
+            rows = store.fetch(self._due_jobs, {"limit": limit}, pinned, prepare=False).rows
+            yield rows, pinned
+        except BaseException:
+            store.unpin(pinned, commit=False)
+            raise
+        store.unpin(pinned, commit=True)
+
+    def forget_jobs(self, ids: list[str], pinned: PinnedConnection) -> None:
+        """Delete the jobs *ids* (handed over) in the batch's transaction."""
+        self.store.run(self._delete_jobs, {"ids": ids}, pinned, prepare=False)
+
+    def fail_jobs(self, params: dict[str, Any], pinned: PinnedConnection) -> None:
+        """Count a failed hand-over of each job of *params* and schedule its next
+        (``ids``, ``errors``, ``countable``, ``backoff``, ``cap``, ``max_attempts``)."""
+        self.store.run(self._fail_jobs, params, pinned, prepare=False)
+
+
+def _fence_params(fence: Fence) -> dict[str, Any]:
+    tenant, key, attempt, generation, reserved = fence
+    return {
+        "tenant": tenant,
+        "key": key,
+        "attempt": attempt,
+        "generation": generation,
+        "reserved": reserved,
+    }

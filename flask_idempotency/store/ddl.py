@@ -1,0 +1,114 @@
+"""The tables' DDL: what ``flask idempotency-init`` (or ``IDEMPOTENCY_CREATE_TABLE``)
+creates, and the objects an online upgrade adds to a table made by an earlier release.
+
+``{table}`` and the index names are filled in with ``psycopg.sql.Identifier``.
+:mod:`.schema` runs them.
+"""
+
+from __future__ import annotations
+
+# The keys table as this release creates it. Columns added since the 0.1.0 table
+# are in UPGRADE_COLUMNS too: schema.py adds them to an older table.
+TABLE = """
+CREATE TABLE IF NOT EXISTS {table} (
+    tenant text NOT NULL,
+    key text NOT NULL,
+    fingerprint bytea NOT NULL,
+    status text NOT NULL
+        CHECK (status IN ('processing', 'completed', 'retryable', 'unknown')),
+    attempt integer NOT NULL DEFAULT 1,
+    generation bigint NOT NULL,
+    recovery_point text NOT NULL DEFAULT 'started',
+    locked_until timestamptz,
+    response_status smallint,
+    response_headers jsonb,
+    response_body bytea,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    expires_at timestamptz NOT NULL,
+    request text,
+    request_body bytea,
+    reconcile_attempts integer NOT NULL DEFAULT 0,
+    reconcile_due_at timestamptz,
+    reconcile_error text,
+    PRIMARY KEY (tenant, key)
+) WITH ({storage})
+"""
+
+#: the keys table's autovacuum settings. Every row expires, so a busy table is mostly
+#: rows on their way out: at PostgreSQL's default (a vacuum once 20 % of the rows are
+#: dead) the space the cleaner frees is reused only after a long wait, and a table of
+#: 10 million keys grows by 2 million rows' worth before its first vacuum. At 2 % it
+#: levels off near its live size. An earlier table gets the settings it lacks from
+#: ``flask idempotency-init`` (run by the table's owner); settings already on the
+#: table are the operator's and are kept.
+STORAGE = {
+    "autovacuum_vacuum_scale_factor": "0.02",
+    "autovacuum_vacuum_threshold": "1000",
+}
+
+#: columns added since the 0.1.0 table, with their type and constant default, so that
+#: ``ADD COLUMN`` only changes the catalog (no table rewrite)
+UPGRADE_COLUMNS = (
+    ("request", "text"),  # the stored request of a complete=True claim (JSON text)
+    ("request_body", "bytea"),
+    ("reconcile_attempts", "integer NOT NULL DEFAULT 0"),  # undecided looks so far
+    ("reconcile_due_at", "timestamptz"),  # the next look (NULL: due now)
+    ("reconcile_error", "text"),  # the last reconciler error
+)
+
+#: the keys table's indexes, by the suffix of their name: what follows ``ON``
+INDEXES = {
+    "expires_idx": "{table} (expires_at) WHERE status IN ('completed', 'retryable')",
+    "lease_idx": "{table} (locked_until) WHERE status = 'processing'",
+    "unknown_idx": "{table} (created_at) WHERE status = 'unknown'",
+    # the completer's due keys: only claims of complete=True routes not completed yet
+    "complete_idx": "{table} (updated_at) WHERE request IS NOT NULL",
+    # the console's keys list, newest or oldest first, a page at a time (SPEC §11)
+    "created_idx": "{table} (created_at)",
+}
+
+CREATE_INDEX = "CREATE INDEX IF NOT EXISTS {name} ON "
+# Outside a transaction: builds without blocking writes; a failed build leaves an
+# INVALID index, which is dropped (also concurrently) and built again.
+CREATE_INDEX_CONCURRENTLY = "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON "
+DROP_INDEX_CONCURRENTLY = "DROP INDEX CONCURRENTLY IF EXISTS {name}"
+
+# A column added with ADD COLUMN waits for ACCESS EXCLUSIVE only briefly: a long
+# transaction on the table makes it give up (and try again) rather than queue every
+# claim behind it.
+ADD_COLUMN = "ADD COLUMN IF NOT EXISTS {column} "
+SET_STORAGE = "ALTER TABLE {table} SET ({storage})"
+LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
+# What exists: missing objects (by their to_regclass name), the keys table's columns,
+# its invalid indexes (a concurrent build that failed), its storage parameters, and
+# whether this role may change them (the table's owner, or a member of its role).
+SCHEMA_STATE = """
+SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclass(name) IS NULL),
+       ARRAY(SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped),
+       ARRAY(SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+             WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid),
+       coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
+       coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
+                 WHERE oid = to_regclass(%(table)s)), false)
+"""
+
+# The payload is a JSON document kept as text: jsonb refuses \u0000 and lone surrogates,
+# which json.dumps writes as escapes that text keeps faithfully.
+JOBS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {jobs} (
+    id uuid PRIMARY KEY,
+    tenant text NOT NULL,
+    key text NOT NULL,
+    name text NOT NULL,
+    payload text NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    due_at timestamptz NOT NULL DEFAULT now(),
+    dead boolean NOT NULL DEFAULT false,
+    last_error text,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS {jobs_due_index} ON {jobs} (due_at) WHERE NOT dead;
+"""

@@ -1,0 +1,252 @@
+"""The statements no client waits on: the completer's, the reconciler's and the
+dispatcher's batches, and the operators' (clean, list, show, resolve, count).
+
+Readable top to bottom; ``{table}`` and ``{jobs}`` are filled in with
+``psycopg.sql.Identifier``, values are always bound parameters.
+:class:`~.batches.Batches` and :class:`~.maintenance.Maintenance` render each once
+and run it through the store's one execution path.
+"""
+
+from __future__ import annotations
+
+# -- the completer ----------------------------------------------------------------
+
+# One batch of keys whose client evidently gave up: claims of complete=True routes
+# abandoned past their lease, and retryable ones, untouched for longer than
+# older_than. The batch reserves them (locked_until: a lease held by this completer,
+# the fence of its takeover), so completers on several hosts take disjoint batches; a
+# client retry of a retryable key still wins at once. updated_at marks them looked at:
+# a key that had to be skipped waits behind the others until older_than passes again.
+DUE_FOR_COMPLETION = """
+WITH due AS (
+    SELECT tenant, key FROM {table}
+    WHERE request IS NOT NULL
+      AND (updated_at <= now() - %(older_than)s OR {deferred})
+      AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
+      AND coalesce(locked_until, '-infinity') <= now()
+      AND (%(only_key)s::text IS NULL OR (tenant, key) = (%(only_tenant)s, %(only_key)s))
+    ORDER BY updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
+FROM due WHERE k.tenant = due.tenant AND k.key = due.key
+RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
+          k.request, k.request_body, k.locked_until
+"""
+
+COUNT_DUE_FOR_COMPLETION = """
+SELECT tenant, key, status, attempt FROM {table}
+WHERE request IS NOT NULL AND (updated_at <= now() - %(older_than)s OR {deferred})
+  AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
+  AND coalesce(locked_until, '-infinity') <= now()
+ORDER BY updated_at
+LIMIT %(limit)s
+"""
+
+# The completer takes a key over exactly as a client retry would: the next attempt,
+# fenced by its reservation, under the key's advisory lock (a twin claiming the key
+# right now gets 409 at once rather than waiting on the row).
+TAKE_OVER = """
+UPDATE {table}
+SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
+    updated_at = now(), expires_at = now() + %(ttl)s,
+    response_status = NULL, response_headers = NULL, response_body = NULL
+WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
+  AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
+  AND status IN ('retryable', 'processing')
+  AND pg_try_advisory_xact_lock(%(lock_id)s::bigint)
+RETURNING attempt, generation, recovery_point
+"""
+
+# A skipped key is left as it was: its reservation ends (a retryable key holds no
+# lease, an abandoned claim's lease is over).
+UNRESERVE = """
+UPDATE {table}
+SET locked_until = CASE WHEN status = 'processing' THEN now() END
+WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
+  AND (attempt, generation) = (%(attempt)s, %(generation)s)
+"""
+
+# A route with ON_ABANDONED = "unknown": the abandoned claim becomes unknown, as a
+# client retry would make it, and the reconciler takes it from there.
+MARK_UNKNOWN = """
+UPDATE {table} SET status = 'unknown', locked_until = NULL, updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
+  AND (attempt, generation) = (%(attempt)s, %(generation)s) AND locked_until = %(reserved)s
+"""
+
+KEY_STATE = """
+SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+# -- asynchronous=True ---------------------------------------------------------
+
+# A key an asynchronous route deferred to the background: processing, with no lease
+# (a client retry sees it in progress; no lease can run out) and due for the completer
+# at once, whatever --older-than says.
+DEFERRED = "(status = 'processing' AND locked_until IS NULL)"
+
+# -- reconciliation of unknown keys ---------------------------------------------
+
+# One batch for a reconciler: unknown keys that are due and not exhausted, reserved
+# for `hold` (so reconcilers on several hosts share the work) and looked at outside
+# any transaction: a provider's webhook resolving one of them never waits on a lock.
+DUE_FOR_RECONCILE = """
+WITH due AS (
+    SELECT tenant, key FROM {table}
+    WHERE status = 'unknown' AND reconcile_attempts < %(max_attempts)s
+      AND coalesce(reconcile_due_at, '-infinity') <= now()
+    ORDER BY reconcile_due_at NULLS FIRST, updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET reconcile_due_at = now() + %(hold)s
+FROM due WHERE k.tenant = due.tenant AND k.key = due.key
+RETURNING k.tenant, k.key, k.attempt, k.generation, k.recovery_point, k.reconcile_attempts,
+          k.request, k.request_body
+"""
+
+# An undecided look (None, or the reconciler raised): the n-th is followed by the next
+# look backoff × 2^(n−1) later, by the database's clock, at most `cap` later. Fenced by
+# the look it answers.
+RESCHEDULE = """
+UPDATE {table}
+SET reconcile_attempts = reconcile_attempts + 1,
+    reconcile_due_at = now() + least(%(backoff)s * 2 ^ least(reconcile_attempts, 30), %(cap)s),
+    reconcile_error = %(error)s
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
+  AND (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s)
+RETURNING reconcile_attempts, extract(epoch FROM reconcile_due_at - now())
+"""
+
+# The dead-letter list: unknown keys that had their last undecided look.
+LIST_EXHAUSTED = """
+SELECT tenant, key, attempt, reconcile_attempts, reconcile_error, now() - updated_at AS age
+FROM {table}
+WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s
+ORDER BY updated_at
+LIMIT %(limit)s
+"""
+
+# -- staged jobs (the outbox) ----------------------------------------------------------------
+
+# One batch for a dispatcher: held by its row locks for as long as its transaction
+# lives, so a dispatcher that dies hands its batch back at once.
+DUE_JOBS = """
+SELECT id::text, name, payload, tenant, key, attempts FROM {jobs}
+WHERE NOT dead AND due_at <= now()
+ORDER BY due_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+DELETE_JOBS = "DELETE FROM {jobs} WHERE id = ANY(%(ids)s::uuid[])"
+
+# A failed hand-over: the n-th failure is retried after backoff × 2^(n−1), capped; a
+# job whose dispatcher failed max_attempts times is dead; a job whose name no
+# dispatcher knows backs off the same way but is never dead (never dropped).
+FAIL_JOBS = """
+UPDATE {jobs} AS j
+SET attempts = j.attempts + 1,
+    last_error = failed.error,
+    due_at = now() + least(%(backoff)s * 2 ^ least(j.attempts, 30), %(cap)s),
+    dead = failed.countable AND j.attempts + 1 >= %(max_attempts)s
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
+     AS failed (id, error, countable)
+WHERE j.id = failed.id
+"""
+
+# The dead jobs, or the failing ones: tried and failed at least once, not dead (a job
+# never tried is only pending; one an operator retried starts again at 0 attempts).
+LIST_JOBS = """
+SELECT id::text, tenant, key, name, attempts, dead, due_at, last_error,
+       now() - created_at AS age
+FROM {jobs}
+WHERE dead = %(dead)s AND (dead OR attempts > 0)
+ORDER BY created_at
+LIMIT %(limit)s
+"""
+
+# -- the operators ---------------------------------------------------------------------------
+
+DELETE_EXPIRED = """
+WITH doomed AS (
+    SELECT tenant, key FROM {table}
+    WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {table} AS k USING doomed
+WHERE k.tenant = doomed.tenant AND k.key = doomed.key
+"""
+
+COUNT_EXPIRED = """
+SELECT count(*) FROM {table}
+WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+"""
+
+MARK_ABANDONED = """
+WITH stale AS (
+    SELECT tenant, key FROM {table}
+    WHERE status = 'processing' AND locked_until <= now() - %(margin)s
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS k SET status = %(status)s, locked_until = NULL, updated_at = now()
+FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+"""
+
+LIST_KEYS = """
+SELECT tenant, key, status, attempt, recovery_point, now() - created_at AS age,
+       locked_until, expires_at, response_status
+FROM {table}
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND created_at <= now() - %(older_than)s
+ORDER BY created_at
+LIMIT %(limit)s
+"""
+
+SHOW_KEY = """
+SELECT tenant, key, status, attempt, recovery_point, encode(fingerprint, 'hex') AS fingerprint,
+       created_at, updated_at, locked_until, expires_at,
+       response_status, response_headers, response_body
+FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+# Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler);
+# anything else is the extension's, and a completed key is never overwritten. The
+# reconciler's answer is fenced by the look it answers (attempt, generation, looks).
+RESOLVE_KEY = """
+UPDATE {table}
+SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locked_until = NULL,
+    response_status = %(response_status)s, response_headers = %(response_headers)s,
+    response_body = %(response_body)s,
+    request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
+    reconcile_attempts = 0, reconcile_due_at = NULL, reconcile_error = NULL
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
+  AND (%(looks)s::integer IS NULL
+       OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
+"""
+
+COUNT_STUCK = """
+SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
+       (SELECT count(*) FROM {table} WHERE status = 'unknown'),
+       (SELECT count(*) FROM {table}
+        WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
+"""
+
+# Read at scrape time beside COUNT_STUCK (SPEC §12): asynchronous keys waiting for a run
+# ({deferred}, DEFERRED), and the staged jobs by state: due (never tried, or retried by
+# hand, and due), failing (failed at least once, not dead), dead.
+COUNT_BACKLOG = """
+SELECT (SELECT count(*) FROM {table} WHERE {deferred}),
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts = 0 AND due_at <= now()),
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts > 0),
+       (SELECT count(*) FROM {jobs} WHERE dead)
+"""
+
+COUNT_ABANDONED = """
+SELECT count(*) FROM {table}
+WHERE status = 'processing' AND locked_until <= now() - %(margin)s
+"""

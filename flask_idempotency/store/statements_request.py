@@ -1,0 +1,153 @@
+"""The statements a client waits on: the claim, the finish, a phase's advance, the
+deferral of an ``asynchronous=True`` request and its status view.
+
+Readable top to bottom; ``{table}`` is filled in with ``psycopg.sql.Identifier``,
+values are always bound parameters. :class:`~.postgres.PostgresStore` renders each
+once and runs it through its one execution path.
+"""
+
+from __future__ import annotations
+
+# The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
+# (a float): cheaper to send than an interval.
+
+# Reads the row with the statement's snapshot and decides; only when the request
+# must run the view does it take the advisory lock and write. The write is fenced
+# by what was read (attempt, generation, status): a row that changed, or appeared,
+# after the snapshot makes the write a no-op and the request a 409, never a second
+# owner. A zero-row INSERT takes no transaction id, so a replay writes no WAL.
+CLAIM = """
+WITH seen AS (
+    SELECT status, fingerprint, attempt, generation, recovery_point,
+           locked_until <= now() AS lease_over,
+           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
+           response_status, response_headers, response_body
+    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), intent AS (
+    SELECT CASE
+        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
+        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.status = 'completed' THEN 'replay'
+        WHEN seen.status = 'retryable' THEN 'taken_over'
+        WHEN seen.status = 'unknown' THEN 'unknown'
+        WHEN seen.lease_over THEN %(on_abandoned)s::text
+        ELSE 'in_progress'
+    END AS decision
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true
+), lock AS (
+    SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
+    FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
+), claimed AS (
+    INSERT INTO {table} AS k
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+         request, request_body)
+    SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
+           (extract(epoch FROM now()) * 1000000)::bigint,
+           now() + make_interval(secs => %(lease)s), now() + make_interval(secs => %(ttl)s),
+           %(request)s, %(request_body)s
+    FROM lock, intent
+    WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
+    ON CONFLICT (tenant, key) DO UPDATE SET
+        status = 'processing',
+        fingerprint = excluded.fingerprint,
+        attempt = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                       THEN 1 ELSE k.attempt + 1 END,
+        generation = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                          THEN excluded.generation ELSE k.generation END,
+        recovery_point = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                              THEN 'started' ELSE k.recovery_point END,
+        created_at = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                          THEN now() ELSE k.created_at END,
+        locked_until = excluded.locked_until,
+        expires_at = excluded.expires_at,
+        updated_at = now(),
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        request = excluded.request, request_body = excluded.request_body
+    WHERE (k.attempt, k.generation, k.status)
+        = (SELECT attempt, generation, status FROM seen)
+      -- a phase that committed meanwhile renewed the lease: the owner is alive
+      AND (k.status <> 'processing' OR k.locked_until <= now())
+    RETURNING k.attempt, k.generation, k.recovery_point
+), marked AS (
+    UPDATE {table} AS k
+    SET status = 'unknown', locked_until = NULL, updated_at = now()
+    FROM lock, seen
+    WHERE lock.granted AND (SELECT decision FROM intent) = 'marked_unknown'
+      AND k.tenant = %(tenant)s AND k.key = %(key)s AND k.status = 'processing'
+      AND k.attempt = seen.attempt AND k.generation = seen.generation
+    RETURNING k.attempt
+)
+SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
+       (SELECT count(*) FROM marked), seen.status, seen.attempt,
+       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
+       seen.expires_at
+FROM intent
+LEFT JOIN claimed ON true
+LEFT JOIN seen ON true
+"""
+
+# The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
+# whose key was taken over, or used afresh after expiry, changes nothing. A completed
+# key no longer needs its stored request (complete=True): it is dropped at once.
+FINISH = """
+UPDATE {table}
+SET status = %(status)s, locked_until = NULL, updated_at = now(),
+    expires_at = now() + make_interval(secs => %(ttl)s),
+    response_status = %(response_status)s,
+    response_headers = %(response_headers)s,
+    response_body = %(response_body)s,
+    request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END
+{commit_mode}
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s
+  AND status <> 'completed'
+RETURNING {notify}, expires_at
+"""
+
+# A recovery point commits with the phase's writes, fenced like the finish, and
+# renews the lease: an attempt that makes progress is not abandoned.
+ADVANCE = """
+UPDATE {table}
+SET recovery_point = %(point)s, locked_until = now() + make_interval(secs => %(lease)s),
+    updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s AND status = 'processing'
+"""
+
+# With IDEMPOTENCY_SYNCHRONOUS_FINISH = False: this statement's own transaction commits
+# without waiting for its WAL flush (set_config(..., true) lasts until its commit).
+ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
+
+# Appended to a fenced UPDATE named ``ended`` (the finish, or a phase's advance): the
+# jobs are inserted only if that UPDATE changed the key, in the same statement, so a
+# fenced or rolled-back attempt stages nothing and staging adds no round trip.
+STAGE_JOBS = """
+, staged AS (
+    INSERT INTO {jobs} (id, tenant, key, name, payload)
+    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload
+    FROM unnest(%(job_ids)s::uuid[], %(job_names)s::text[], %(job_payloads)s::text[])
+         AS job (id, name, payload)
+    WHERE EXISTS (SELECT FROM ended)
+)
+SELECT * FROM ended
+"""
+
+
+# The request that claimed the key hands it to the background instead of running the
+# view: no lease, and its attempt given back, so the run that takes it over is the
+# attempt the client's own would have been. Fenced like the finish.
+DEFER = """
+UPDATE {table}
+SET locked_until = NULL, attempt = attempt - 1, updated_at = now()
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
+  AND attempt = %(attempt)s AND generation = %(generation)s
+"""
+
+# The Location view of an asynchronous key: what it answers (202, the stored response,
+# or the unknown outcome), for the tenant that asks.
+KEY_STATUS = """
+SELECT status, response_status, response_headers, response_body, expires_at
+FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
