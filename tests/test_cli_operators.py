@@ -16,8 +16,8 @@ from flask_idempotency.cli.changes import default_actor
 @pytest.fixture
 def ops_console(database_url: str, db) -> Iterator[Console]:  # type: ignore[no-untyped-def]
     made = make_console(database_url)
-    with made.app.app_context(), made.app.extensions["idempotency"].store.connection():
-        pass
+    with made.app.app_context():
+        made.app.extensions["idempotency"].store.create_schema()
     for table in TABLES.values():
         db.execute(f"TRUNCATE {table}")
     made.db = db
@@ -131,9 +131,9 @@ def test_background_commands_write_heartbeats(ops_console: Console) -> None:
     ).fetchall()
     assert beats == [
         ("clean", True, None, {"deleted": 0, "marked": 0}),
-        ("complete", True, None, {"keys": 0}),
-        ("dispatch", True, None, {"dispatched": 1, "failed": 0, "unknown": 0}),
-        ("reconcile", True, None, {"keys": 1, "undecided": 1}),
+        ("complete", True, None, {"due": 0}),
+        ("dispatch", True, None, {"due": 1, "dispatched": 1}),
+        ("reconcile", True, None, {"due": 1, "undecided": 1}),
     ]
     assert status_of(db, "nothing") is None
 
@@ -142,10 +142,11 @@ def test_a_heartbeat_that_cannot_be_written_does_not_stop_the_command(
     ops_console: Console, caplog: pytest.LogCaptureFixture
 ) -> None:
     db = ops_console.db
-    db.execute("ALTER TABLE console_heartbeats RENAME TO console_heartbeats_away")
+    # every write to the table fails (a table that is missing would be made again)
+    db.execute("ALTER TABLE console_heartbeats ADD CONSTRAINT no_beats CHECK (false) NOT VALID")
     try:
         code, out = run(ops_console, "idempotency-clean")
     finally:
-        db.execute("ALTER TABLE console_heartbeats_away RENAME TO console_heartbeats")
+        db.execute("ALTER TABLE console_heartbeats DROP CONSTRAINT no_beats")
     assert code == 0 and "deleted 0 expired keys" in out
     assert "clean: could not record its heartbeat" in caplog.text

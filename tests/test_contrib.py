@@ -254,7 +254,7 @@ def test_every_queried_metric_is_exported_by_a_running_app(
         assert idempotency.resolve("", "u2", retryable=True)
     cli(app, "idempotency-clean")
     idempotency.dispatcher(lambda job: None)
-    assert "dispatched 1 job(s)" in cli(app, "idempotency-dispatch")
+    assert "1 due: 1 dispatched" in cli(app, "idempotency-dispatch")
 
     exported = {re.sub(r"\{.*", "", name) for name in scrape(app)}
     queried = queried_metrics()

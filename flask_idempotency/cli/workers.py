@@ -147,5 +147,5 @@ def _batch(outcomes: list[Outcome], summary: Callable[[list[Outcome]], str], lim
         summary(outcomes),
         frozenset(outcome.subject for outcome in outcomes),
         full=len(outcomes) >= limit,
-        counts=Counter(outcome.outcome for outcome in outcomes),
+        counts={"due": len(outcomes), **Counter(outcome.outcome for outcome in outcomes)},
     )
