@@ -16,7 +16,7 @@ from flask.cli import with_appcontext
 
 from ..errors import StoreError
 from ..state import get_state
-from ..store.operations import JobFilter, KeyFilter, Operations, storable
+from ..store.operations import JobFilter, KeyFilter, Operations, is_storable_text
 from ..store.pool import probe
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,7 +53,7 @@ def operations() -> Operations:
 
 
 def _text(value: str | None, what: str) -> str | None:
-    if value is not None and not storable(value):
+    if value is not None and not is_storable_text(value):
         raise click.UsageError(f"{what} holds a NUL byte or a lone surrogate: no such thing exists")
     return value
 

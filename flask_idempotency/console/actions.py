@@ -81,7 +81,7 @@ def _key_and_row(args: Any) -> tuple[str, str, str, dict[str, Any]]:
     if action not in KEY_ACTIONS:
         abort(400, "Unknown action.")
     tenant, key = args.get("tenant", ""), args.get("key", "")
-    if not key or not (forms.storable(tenant) and forms.storable(key)):
+    if not key or not (forms.is_storable_text(tenant) and forms.is_storable_text(key)):
         abort(404, "No such key.")
     row = operations().key_detail(tenant, key, max_attempts(), BODY_PREVIEW)
     if row is None:

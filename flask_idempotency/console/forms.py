@@ -16,7 +16,7 @@ from typing import Any
 from flask import abort
 
 from ..model import KeyStatus, StoredResponse
-from ..store.operations import JobFilter, KeyFilter, storable
+from ..store.operations import JobFilter, KeyFilter, is_storable_text
 
 __all__ = [
     "decode_cursor",
@@ -30,7 +30,7 @@ __all__ = [
     "reason",
     "response",
     "shown",
-    "storable",
+    "is_storable_text",
     "text",
 ]
 
@@ -45,7 +45,7 @@ def text(args: Mapping[str, str], name: str) -> str | None:
     value = args.get(name, "")
     if not value:
         return None
-    if not storable(value):
+    if not is_storable_text(value):
         abort(400, f"The field {name!r} holds a NUL byte or a lone surrogate: no key has one.")
     return value
 
@@ -106,7 +106,7 @@ def decode_cursor(token: str | None) -> tuple[datetime, str, str] | None:
         cursor = (datetime.fromisoformat(at), str(tenant), str(key))
     except (ValueError, TypeError):
         abort(400, "The page cursor is not readable; start from the first page.")
-    if not (storable(cursor[1]) and storable(cursor[2])):
+    if not (is_storable_text(cursor[1]) and is_storable_text(cursor[2])):
         abort(400, "The page cursor is not readable; start from the first page.")
     return cursor
 
@@ -175,7 +175,7 @@ def _header(line: str) -> tuple[str, str]:
     name, value = name.strip(), value.strip()
     if not sep or not _HEADER_NAME.match(name):
         abort(400, f"Each header line must be 'Name: value'; got {line[:100]!r}.")
-    if any(ord(c) < 32 and c != "\t" or c == "\x7f" for c in value) or not storable(value):
+    if any(ord(c) < 32 and c != "\t" or c == "\x7f" for c in value) or not is_storable_text(value):
         abort(400, f"The value of header {name[:100]!r} holds a control character.")
     return name, value
 

@@ -74,7 +74,7 @@ def keys() -> str:
 def key() -> str:
     tenant = request.args.get("tenant", "")
     name = request.args.get("key", "")
-    if not (forms.storable(tenant) and forms.storable(name)) or not name:
+    if not (forms.is_storable_text(tenant) and forms.is_storable_text(name)) or not name:
         abort(404, "No such key.")
     row = operations().key_detail(tenant, name, max_attempts(), BODY_PREVIEW)
     if row is None:

@@ -50,13 +50,3 @@ class JobFilter:
     id: str | None = None
     name: str | None = None
     kind: str = "any"
-
-
-def pg_text(value: str) -> str:
-    """*value* as PostgreSQL text can hold it (NUL and lone surrogates escaped)."""
-    return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
-
-
-def storable(value: str) -> bool:
-    """True if PostgreSQL text can hold *value* as it is (no NUL, no lone surrogate)."""
-    return "\x00" not in value and pg_text(value) == value

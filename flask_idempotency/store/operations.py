@@ -17,8 +17,9 @@ from psycopg import sql
 
 from ..errors import EncryptionError
 from ..model import KeyStatus, StoredResponse
-from .filters import Count, JobFilter, KeyFilter, KeysPage, pg_text, storable
+from .filters import Count, JobFilter, KeyFilter, KeysPage
 from .postgres import PostgresStore
+from .rows import is_storable_text, storable_text
 from .sealing import SEALED_HEADERS, SEALED_REQUEST
 from .statement import Statement
 from .statements_console import (
@@ -53,7 +54,15 @@ PAGE_WINDOW = 5_000
 #: rows one bulk statement changes (a bulk action runs as many as it needs)
 BULK_BATCH = 500
 
-__all__ = ["Count", "JobFilter", "KeyFilter", "KeysPage", "Operations", "pg_text", "storable"]
+__all__ = [
+    "Count",
+    "JobFilter",
+    "KeyFilter",
+    "KeysPage",
+    "Operations",
+    "is_storable_text",
+    "storable_text",
+]
 
 
 class Operations:
@@ -156,7 +165,7 @@ class Operations:
         """Record that *command* on *host* finished a batch now (database clock)."""
         params = {
             "command": command,
-            "host": pg_text(host),
+            "host": storable_text(host),
             "pid": pid,
             "interval": interval,
             "counts": json.dumps(dict(counts)),
@@ -383,7 +392,7 @@ class Operations:
 
     def _who(self, actor: str, reason: str | None, action: str) -> dict[str, Any]:
         return {
-            "actor": pg_text(actor) or "console",
-            "reason": pg_text(reason) if reason else None,
+            "actor": storable_text(actor) or "console",
+            "reason": storable_text(reason) if reason else None,
             "action": action,
         }
