@@ -344,9 +344,9 @@ class Settings:
     table: str = option("idempotency_keys", _str)
     #: where staged jobs wait for a dispatcher (README "Work that outlives the request")
     jobs_table: str = option("idempotency_jobs", _str)
-    #: every hand-made change, one row each (SPEC §11); never cleaned
+    #: every hand-made change, one row each; never cleaned
     audit_table: str = option("idempotency_audit", _str)
-    #: the background commands' last batch, one row per command and host (SPEC §11)
+    #: the background commands' last batch, one row per command and host
     heartbeats_table: str = option("idempotency_heartbeats", _str)
     #: create the tables and indexes if missing (or upgrade an earlier release's
     #: online), once per process

@@ -1,4 +1,4 @@
-"""OpenTelemetry spans of the request path (extra ``otel``; SPEC §12).
+"""OpenTelemetry spans of the request path (extra ``otel``).
 
 ``idempotency.claim``, ``idempotency.wait``, ``idempotency.phase`` and
 ``idempotency.finish`` are children of the span current when the request reached the

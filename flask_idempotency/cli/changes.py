@@ -1,4 +1,4 @@
-"""The console's powers on the command line (SPEC §11): ``flask idempotency-rearm``,
+"""The console's powers on the command line: ``flask idempotency-rearm``,
 ``flask idempotency-jobs retry|discard`` and ``flask idempotency-audit``, registered by
 ``init_app`` with the others. Each change writes its audit row (``--actor``, default the
 operating-system user, and ``--reason``) in the same transaction.
@@ -31,13 +31,41 @@ def default_actor() -> str:
         return "cli"
 
 
+#: what an operator's name and reason may hold: printable text, no control characters
+#: or lone surrogates (they are logged, and stored in the audit trail)
+_NOT_IN_TEXT = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+MAX_ACTOR_LENGTH, MAX_REASON_LENGTH = 255, 2000
+
+
+def _text_option(limit: int) -> Callable[[click.Context, click.Parameter, str | None], Any]:
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if param.name == "actor" and not value:
+            raise click.BadParameter("must not be empty")
+        if len(value) > limit or _NOT_IN_TEXT.search(value):
+            raise click.BadParameter(
+                f"must be at most {limit} characters, without control characters or"
+                " unpaired surrogates"
+            )
+        return value
+
+    return check
+
+
 def who(fn: F) -> F:
-    """``--actor`` and ``--reason``, as every command that changes something takes them."""
-    fn = click.option("--reason", help="Why: kept in the audit row (IDEMPOTENCY_AUDIT_TABLE).")(fn)
+    """``--actor`` and ``--reason``, as every command that changes something takes them:
+    printable text of bounded length, else click's one-line usage error."""
+    fn = click.option(
+        "--reason",
+        callback=_text_option(MAX_REASON_LENGTH),
+        help="Why: kept in the audit row (IDEMPOTENCY_AUDIT_TABLE).",
+    )(fn)
     return click.option(
         "--actor",
         default=default_actor,
         show_default="the operating-system user",
+        callback=_text_option(MAX_ACTOR_LENGTH),
         help="The name the audit row records.",
     )(fn)
 

@@ -1,4 +1,4 @@
-"""The operators' hand-made changes: ``flask idempotency-forget`` (SPEC §11).
+"""The operators' hand-made changes: ``flask idempotency-forget``.
 
 Each takes ``--actor`` (default: the operating-system user) and ``--reason``; the change
 and its audit row (``IDEMPOTENCY_AUDIT_TABLE``) are one statement.
@@ -6,25 +6,17 @@ and its audit row (``IDEMPOTENCY_AUDIT_TABLE``) are one statement.
 
 from __future__ import annotations
 
-import getpass
 import logging
-import re
-from collections.abc import Callable
 
 import click
 from flask.cli import with_appcontext
 
 from ..errors import IdempotencyError, InvalidKey, StoreError
 from ..keys import check_tenant, parse_key, tenant_tag
-from .changes import operations
+from .changes import operations, who
 from .operators import maintenance
 
 logger = logging.getLogger("flask_idempotency")
-
-#: what an operator's name and reason may hold: printable text, no control characters
-#: or lone surrogates (they are logged, and will be stored in the audit trail)
-_NOT_IN_TEXT = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-MAX_ACTOR_LENGTH, MAX_REASON_LENGTH = 255, 2000
 
 
 def _key_argument(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -41,29 +33,6 @@ def _tenant_option(ctx: click.Context, param: click.Parameter, value: str) -> st
         raise click.BadParameter(getattr(exc, "description", None) or str(exc)) from None
 
 
-def _text_option(limit: int) -> Callable[[click.Context, click.Parameter, str | None], str]:
-    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
-        if value is None:  # --actor's default: who runs the command
-            value = _os_user()
-        if param.name == "actor" and not value:
-            raise click.BadParameter("must not be empty")
-        if len(value) > limit or _NOT_IN_TEXT.search(value):
-            raise click.BadParameter(
-                f"must be at most {limit} characters, without control characters or"
-                " unpaired surrogates"
-            )
-        return value
-
-    return check
-
-
-def _os_user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no name for this uid (a container), no USER variable
-        return "unknown"
-
-
 @click.command(
     "idempotency-forget",
     help="Forget a 'completed' or 'retryable' key so that it can be used afresh (a stored"
@@ -74,16 +43,9 @@ def _os_user() -> str:
 @click.option(
     "--tenant", default="", callback=_tenant_option, help="The key's tenant (default: '')."
 )
-@click.option(
-    "--actor",
-    callback=_text_option(MAX_ACTOR_LENGTH),
-    help="Who forgets it, for the audit row (default: the operating-system user).",
-)
-@click.option(
-    "--reason", default="", callback=_text_option(MAX_REASON_LENGTH), help="Why, for the audit row."
-)
+@who
 @with_appcontext
-def forget_command(key: str, tenant: str, actor: str, reason: str) -> None:
+def forget_command(key: str, tenant: str, actor: str, reason: str | None) -> None:
     try:
         forgotten = operations().forget(tenant, key, actor=actor, reason=reason or None)
         row = None if forgotten else maintenance().get_key(tenant, key)

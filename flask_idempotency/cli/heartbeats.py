@@ -1,4 +1,4 @@
-"""The background commands' heartbeats (SPEC §11): after each batch, a row per command
+"""The background commands' heartbeats: after each batch, a row per command
 and host says when it finished and what it did; the console's overview marks a loop
 whose last batch is older than three intervals (an hour for a command run once).
 """

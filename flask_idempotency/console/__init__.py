@@ -1,4 +1,4 @@
-"""The operator's console (SPEC §11): a blueprint mounted with
+"""The operator's console: a blueprint mounted with
 ``idempotency.init_console(app)``.
 
 Server-rendered pages and POST-redirect-GET forms, so it all works without JavaScript

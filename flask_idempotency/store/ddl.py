@@ -64,7 +64,7 @@ INDEXES = {
     "unknown_idx": "{table} (created_at) WHERE status = 'unknown'",
     # the completer's due keys: only claims of complete=True routes not completed yet
     "complete_idx": "{table} (updated_at) WHERE request IS NOT NULL",
-    # the console's keys list, newest or oldest first, a page at a time (SPEC §11)
+    # the console's keys list, newest or oldest first, a page at a time
     "created_idx": "{table} (created_at)",
 }
 

@@ -1,4 +1,4 @@
-"""The operators' powers of SPEC §11: what the console and the CLI read and change.
+"""The operators' powers: what the console and the CLI read and change.
 
 Beside :class:`~.maintenance.Maintenance`, on the same store: each method is one short
 statement on a pooled connection, bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT``,

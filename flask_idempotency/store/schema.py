@@ -95,7 +95,7 @@ class Schema:
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
         jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""
         audit_parts, heartbeats_parts = audit_table.split("."), heartbeats_table.split(".")
-        #: the audit trail and the heartbeats of the background commands (SPEC §11)
+        #: the audit trail and the heartbeats of the background commands
         self.audit = sql.Identifier(*audit_parts)
         self.heartbeats = sql.Identifier(*heartbeats_parts)
         self._audit_index = f"{audit_parts[-1]}_key_idx"

@@ -236,7 +236,7 @@ SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_unti
         WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
 """
 
-# Read at scrape time beside COUNT_STUCK (SPEC §12): asynchronous keys waiting for a run
+# Read at scrape time beside COUNT_STUCK: asynchronous keys waiting for a run
 # ({deferred}, DEFERRED), and the staged jobs by state: due (never tried, or retried by
 # hand, and due), failing (failed at least once, not dead), dead.
 COUNT_BACKLOG = """

@@ -1,4 +1,4 @@
-"""The SQL of the operator's console and its CLI powers (SPEC §11), readable top to bottom.
+"""The SQL of the operator's console and its CLI powers, readable top to bottom.
 
 Beside :mod:`.queries`; ``{table}``, ``{jobs}``, ``{audit}`` and ``{heartbeats}`` are
 filled in with ``psycopg.sql.Identifier``, values are always bound parameters. Every
