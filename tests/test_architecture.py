@@ -14,7 +14,8 @@ import tomllib
 import flask_idempotency
 
 PACKAGE = Path(flask_idempotency.__file__).parent
-ROOT = PACKAGE.parent
+#: the repository (CI runs the suite against the installed wheel, in a copy of it)
+ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ("psycopg", "psycopg_pool")
 
 
