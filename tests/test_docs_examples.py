@@ -41,6 +41,10 @@ RUNS: dict[str, list[str]] = {
     "pgbouncer": ["howto/pgbouncer.md"],
     "openapi-cors": ["howto/openapi-cors.md"],
     "browser-keys": ["howto/browser-keys.md"],
+    "fingerprint": ["howto/fingerprint.md"],
+    "client-answers": ["howto/client-answers.md"],
+    "encryption": ["howto/encryption.md"],
+    "console": ["howto/console.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES: set[str] = set()

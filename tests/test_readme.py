@@ -226,8 +226,9 @@ def test_readme_curl_demo_answers_as_shown(
 
 
 def test_readme_phased_view_resumes_after_its_last_phase(database_url: str, db: DB) -> None:
-    """The README's ``ship_order``, killed with SIGKILL right after its last phase: the
-    attempt that takes over answers the complete shipment, read from the database."""
+    """The documented ``ship_order`` (docs/howto/phased-views.md), killed with SIGKILL right
+    after its last phase: the attempt that takes over answers the complete shipment, read
+    from the database."""
     db.execute(readme_phased.SCHEMA)
     tenant, key = f"readme-{uuid.uuid4()}", "ship-1"
     child = subprocess.run(

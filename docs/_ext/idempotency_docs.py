@@ -127,7 +127,8 @@ def _data_doc(name: str) -> list[str]:
     """The ``#:`` comment of the package-level name *name*, wherever it is defined."""
     import flask_idempotency
 
-    for module in pkgutil.iter_modules(flask_idempotency.__path__, f"{PACKAGE}."):
+    # walk_packages: since the store/background/cli layout, names live in subpackages too
+    for module in pkgutil.walk_packages(flask_idempotency.__path__, f"{PACKAGE}."):
         try:
             docs = ModuleAnalyzer.for_module(module.name).find_attr_docs()
         except Exception:  # a subpackage's __init__ without source, say
