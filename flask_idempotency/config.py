@@ -267,10 +267,10 @@ class RouteSettings:
     #: the answer to an in-flight twin: 409 (a problem) or 202 Accepted
     in_progress_status: int = option(409, _in_progress_status)
     #: store the request with the claim, so that ``flask idempotency-complete`` can run
-    #: it again without its client (README "When clients give up")
+    #: it again without its client (docs: "The background half in detail")
     complete: bool = option(False, _bool)
     #: long work: the claiming request defers the view to the background and answers 202
-    #: with a Location to poll (README "Work that outlives the request"); implies ``complete``
+    #: with a Location to poll (docs: "Long work: 202 Accepted"); implies ``complete``
     asynchronous: bool = option(False, _bool)
     #: the request headers stored with a ``complete=True`` claim (this list replaces
     #: the default: name Content-Type yourself)
@@ -336,13 +336,14 @@ class Settings:
     #: prepare the request path's statements; switched off by itself behind a
     #: PgBouncer older than 1.21 (set False there to start so)
     prepared_statements: bool = option(True, _bool)
-    #: False: the completion commits without waiting for its WAL flush (see README)
+    #: False: the completion commits without waiting for its WAL flush, and may lose the
+    #: last stored answers if PostgreSQL itself crashes (docs: "Trade-offs you can opt into")
     synchronous_finish: bool = option(True, _bool)
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
     #: the keys' table, may be schema-qualified
     table: str = option("idempotency_keys", _str)
-    #: where staged jobs wait for a dispatcher (README "Work that outlives the request")
+    #: where staged jobs wait for a dispatcher (docs: "Staged jobs")
     jobs_table: str = option("idempotency_jobs", _str)
     #: every hand-made change, one row each; never cleaned
     audit_table: str = option("idempotency_audit", _str)

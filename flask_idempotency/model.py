@@ -8,7 +8,7 @@ from datetime import datetime
 
 
 class KeyStatus(str, enum.Enum):
-    """The states of a key; see the state machine in the README."""
+    """The states of a key; see the state machine in the docs ("The key's life")."""
 
     #: a request holds the key and its view is running (until ``locked_until``)
     PROCESSING = "processing"

@@ -1,6 +1,6 @@
-"""The README's phased view (``ship_order``), run as written: an app around the block,
-and a child process that is killed with SIGKILL right after the block's last phase
-commits (``python tests/readme_phased.py DATABASE_URL TENANT KEY``)."""
+"""The documented phased view (``ship_order`` in docs/howto/phased-views.md), run as written:
+an app around the page's block, and a child process that is killed with SIGKILL right after
+the block's last phase commits (``python tests/readme_phased.py DATABASE_URL TENANT KEY``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from flask import Flask, request
 
 from flask_idempotency import Idempotency, current_idempotency
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "howto" / "phased-views.md"
 ORDER = 7
 LEASE = 1
 LAST_PHASE = "label_recorded"
@@ -40,8 +40,8 @@ CREATE TABLE IF NOT EXISTS carrier_labels (
 
 
 def readme_block() -> str:
-    """The README's python block that defines ``ship_order``, as written."""
-    text = README.read_text(encoding="utf-8")
+    """The page's python block that defines ``ship_order``, as written."""
+    text = PAGE.read_text(encoding="utf-8")
     start = text.rindex("```python\n", 0, text.index("def ship_order(")) + len("```python\n")
     return text[start : text.index("\n```\n", start) + 1]
 
@@ -91,7 +91,7 @@ def create_app(database_url: str, db: Any, *, crash: bool = False) -> Flask:
         "carrier": Carrier(database_url),
         "db": db,
     }
-    exec(compile(readme_block(), f"{README} (ship_order)", "exec"), namespace)
+    exec(compile(readme_block(), f"{PAGE} (ship_order)", "exec"), namespace)
     return app
 
 

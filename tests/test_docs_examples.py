@@ -41,9 +41,13 @@ RUNS: dict[str, list[str]] = {
     "pgbouncer": ["howto/pgbouncer.md"],
     "openapi-cors": ["howto/openapi-cors.md"],
     "browser-keys": ["howto/browser-keys.md"],
+    "fingerprint": ["howto/fingerprint.md"],
+    "client-answers": ["howto/client-answers.md"],
+    "encryption": ["howto/encryption.md"],
+    "console": ["howto/console.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
-NOT_PAGES = {"_readme_frontpage_draft.md"}
+NOT_PAGES: set[str] = set()
 
 FENCE = re.compile(r"^(`{3,}|~{3,})\s*(\S*)\s*(.*)$")
 NOT_RUNNABLE = re.compile(r"^<!-- not-runnable: \S.* -->$")
@@ -185,7 +189,6 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
     """``docs/howto/testing_example`` is a project's test directory: pytest passes in it."""
     project = tmp_path / "project"
     shutil.copytree(DOCS / "howto" / "testing_example", project)
-    shutil.copytree(ROOT / "example", project / "example", ignore=shutil.ignore_patterns(".*"))
     env = {**os.environ, "TEST_DATABASE_URL": page_database}
     env.pop("PYTHONPATH", None)
     done = subprocess.run(
@@ -200,20 +203,13 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
     assert re.search(r"\b[3-9] passed\b", done.stdout), done.stdout
 
 
-# -- the README's front page, drafted for issue 23's part B ----------------------------------
+# -- the README, the project's front page -------------------------------------------------
 
-DRAFT = DOCS / "_readme_frontpage_draft.md"
-
-
-def draft_block(section: str, language: str) -> str:
-    text = DRAFT.read_text(encoding="utf-8")
-    start = text.index(f"\n## {section}\n")
-    opening = text.index(f"\n```{language}\n", start) + len(f"\n```{language}\n")
-    return text[opening : text.index("\n```\n", opening) + 1]
+README = ROOT / "README.md"
 
 
-def test_front_page_draft_is_short_and_starts_with_the_two_commands() -> None:
-    text = DRAFT.read_text(encoding="utf-8")
+def test_front_page_is_short_and_starts_with_the_two_commands() -> None:
+    text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 250
     first_block = text[text.index("```bash\n") + len("```bash\n") :].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
@@ -223,33 +219,12 @@ def test_front_page_draft_is_short_and_starts_with_the_two_commands() -> None:
     assert links and missing == [], missing
 
 
-def test_front_page_draft_quick_start_runs(
-    page_database: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("DATABASE_URL", page_database)
-    source = draft_block("Quick start", "python")
-    assert len([line for line in source.splitlines() if line.strip()]) <= 22
-    module = types.ModuleType("quickstart_draft")
-    exec(compile(source, str(DRAFT), "exec"), module.__dict__)
-    app: Flask = module.app
-    try:
-        client = app.test_client()
-
-        def pay(account: str | None, amount: int = 1000) -> Any:
-            headers = {"Idempotency-Key": "order-1"}
-            if account is not None:
-                headers["Authorization"] = f"Bearer {account}"
-            return client.post("/payments", json={"amount": amount}, headers=headers)
-
-        first, retry = pay("sk_test_acme"), pay("sk_test_acme")
-        assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
-        assert retry.headers["Idempotent-Replayed"] == "true" and retry.data == first.data
-        other = pay("sk_test_globex")
-        assert other.status_code == 201 and other.get_json() != first.get_json()
-        assert pay("sk_test_acme", amount=5).status_code == 422
-        assert pay(None).status_code == 401
-    finally:
-        app.extensions["idempotency"].store.close()
+def test_front_page_links_every_page_of_the_site() -> None:
+    """The README's documentation list names every page of the site's toctrees."""
+    text = README.read_text(encoding="utf-8")
+    linked = {link.removeprefix("docs/") for link in re.findall(r"\]\((docs/[^)#]+\.md)\)", text)}
+    pages = {p.relative_to(DOCS).as_posix() for p in site_pages()} - {"index.md", "changes.md"}
+    assert sorted(pages - linked) == []
 
 
 # -- what the generated reference pages need from the code ---------------------------------

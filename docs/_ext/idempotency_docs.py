@@ -127,6 +127,7 @@ def _data_doc(name: str) -> list[str]:
     """The ``#:`` comment of the package-level name *name*, wherever it is defined."""
     import flask_idempotency
 
+    # walk_packages: since the store/background/cli layout, names live in subpackages too
     for module in pkgutil.walk_packages(flask_idempotency.__path__, f"{PACKAGE}."):
         try:
             docs = ModuleAnalyzer.for_module(module.name).find_attr_docs()

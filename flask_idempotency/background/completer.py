@@ -154,7 +154,7 @@ def _not_reached(rerun: Rerun, answered: int) -> str:
         return f"no route answers {where} any more (the app answered {answered})"
     return (
         f"the app answered {answered} before an idempotent view ran (a before_request"
-        " hook? see completing() in the README)"
+        " hook? see completing() in the docs: the background half in detail)"
     )
 
 

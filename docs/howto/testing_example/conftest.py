@@ -1,6 +1,6 @@
 """Fixtures for testing an app that uses flask-idempotency, against a real PostgreSQL.
 
-The app here is the README's quick start (example/quickstart.py); use your own factory.
+The app here is payments.py beside this file (an app factory); use your own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from example.quickstart import create_app
+from payments import create_app
 
 
 @pytest.fixture(scope="session")
