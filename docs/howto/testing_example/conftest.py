@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
-
 from payments import create_app
 
 
