@@ -383,11 +383,14 @@ EXAMPLE = """
 import sys, uuid
 sys.path.insert(0, {root!r})
 from example.app import create_app
-app = create_app({url!r})
+app = create_app({url!r}, IDEMPOTENCY_JOBS_TABLE="example_jobs_" + uuid.uuid4().hex[:10])
 client = app.test_client()
 headers = {{"X-API-Key": "acct_traced", "Idempotency-Key": "pay-" + uuid.uuid4().hex}}
 response = client.post("/payments", json={{"amount": 1000}}, headers=headers)
 assert response.status_code == 201, response.data
+# the receipt job, as flask idempotency-dispatch runs it (the example's inline dispatcher)
+dispatched = app.test_cli_runner().invoke(args=["idempotency-dispatch"])
+assert "1 dispatched" in dispatched.output, dispatched.output
 app.extensions["idempotency"].store.close()
 """
 
@@ -412,7 +415,11 @@ def test_the_example_prints_a_payments_trace_on_the_console(database_url: str, d
     by_name = {span["name"]: span for span in printed}
     request = by_name["POST /payments"]
     trace_id, request_id = request["context"]["trace_id"], request["context"]["span_id"]
-    ours = [s for s in printed if s["name"].startswith("idempotency.")]
+    ours = [
+        s
+        for s in printed
+        if s["name"].startswith("idempotency.") and s["context"]["trace_id"] == trace_id
+    ]
     assert sorted(s["name"] for s in ours) == [
         "idempotency.claim",
         "idempotency.finish",
@@ -422,10 +429,19 @@ def test_the_example_prints_a_payments_trace_on_the_console(database_url: str, d
     for span in ours:
         assert span["context"]["trace_id"] == trace_id
         assert span["parent_id"] == request_id
-    assert by_name["idempotency.claim"]["attributes"]["idempotency.tenant_hash"] == tenant_tag(
-        "acct_traced"
-    )
+    (claim,) = [s for s in ours if s["name"] == "idempotency.claim"]
+    assert claim["attributes"]["idempotency.tenant_hash"] == tenant_tag("acct_traced")
     assert "acct_traced" not in json.dumps(ours)
+    # the receipt job: its dispatch span links to the phase that staged it, and the
+    # receipt's run_once spans are the dispatch span's children
+    (charged,) = [s for s in ours if s["attributes"].get("idempotency.phase") == "charge_recorded"]
+    dispatch = by_name["idempotency.dispatch"]
+    (link,) = dispatch["links"]
+    assert link["context"]["trace_id"] == trace_id
+    assert link["context"]["span_id"] == charged["context"]["span_id"]
+    assert dispatch["attributes"]["idempotency.job.name"] == "send_receipt"
+    receipt = [s["name"] for s in printed if s["parent_id"] == dispatch["context"]["span_id"]]
+    assert sorted(receipt) == ["idempotency.claim", "idempotency.finish", "idempotency.phase"]
 
 
 # -- across the asynchronous boundaries ------------------------------------------------------
