@@ -124,10 +124,11 @@ def _autodoc(name: str) -> list[str]:
 
 
 def _data_doc(name: str) -> list[str]:
-    """The ``#:`` comment of the package-level name *name*, wherever it is defined."""
+    """The ``#:`` comment of the package-level name *name*, wherever it is defined
+    (subpackages included: RETRYABLE lives in background/)."""
     import flask_idempotency
 
-    for module in pkgutil.iter_modules(flask_idempotency.__path__, f"{PACKAGE}."):
+    for module in pkgutil.walk_packages(flask_idempotency.__path__, f"{PACKAGE}."):
         try:
             docs = ModuleAnalyzer.for_module(module.name).find_attr_docs()
         except Exception:  # a subpackage's __init__ without source, say
