@@ -212,7 +212,6 @@ class StuckKeysCollector(Collector):
         backlog: dict[tuple[str, str], tuple[int, int, int, int]] = {}
         beats: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for app in list(self._apps):
-            self._read_heartbeats(app, beats)
             state = get_state(app)
             # apps on one table (several create_app() of one service) count once
             where = (state.settings.database_url or str(id(state.store)), state.settings.table)
@@ -223,7 +222,8 @@ class StuckKeysCollector(Collector):
                 stuck[where] = state.maintenance.count_stuck(state.settings.reconcile_max_attempts)
                 backlog[where] = state.maintenance.count_backlog()
             except StoreError:
-                continue
+                continue  # and no third wait for the heartbeats
+            self._read_heartbeats(app, beats)
         if stuck:
             family = self._stuck()
             for index, name in enumerate(("abandoned", "unknown", "exhausted")):
@@ -240,8 +240,8 @@ class StuckKeysCollector(Collector):
 
     @staticmethod
     def _read_heartbeats(app: Flask, beats: dict[tuple[str, str], list[dict[str, Any]]]) -> None:
-        """*app*'s heartbeats into *beats*, once per heartbeats table; nothing when the
-        store fails (apart from the other gauges: an older table may lack it)."""
+        """*app*'s heartbeats into *beats*, once per heartbeats table; nothing when that
+        read fails (the other gauges stay: the table may not be created yet)."""
         state = get_state(app)
         where = (
             state.settings.database_url or str(id(state.store)),

@@ -302,3 +302,19 @@ def test_the_dashboard_is_grafana_json() -> None:
         assert topic in titles, topic
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_without_a_heartbeats_table_only_the_last_batch_gauge_is_left_out(
+    make_app: Callable[..., Flask], db: DB
+) -> None:
+    heartbeats = f"beats_{uuid.uuid4().hex[:10]}"
+    app, _ = observed_app(
+        lambda **config: make_app(**config, IDEMPOTENCY_HEARTBEATS_TABLE=heartbeats)
+    )
+    with app.app_context():
+        get_state(app).store.create_schema()
+    db.execute(f"DROP TABLE {heartbeats}")  # an operator dropped it, or a role cannot read it
+    samples = scrape(app)
+    assert 'idempotency_jobs{state="due"}' in samples
+    assert "idempotency_deferred_keys{}" in samples
+    assert not [s for s in samples if s.startswith("idempotency_last_batch")]
