@@ -17,7 +17,8 @@ The modes run alternately, *repeat* times each; it prints the lowest app CPU per
 of each mode and variant (``new`` key, ``replay``) and the spread between repetitions.
 ``--hooks`` times what a new key's request runs of the package's tracing (``start()``,
 the claim's and the finish's spans) without the request around it, in the calling thread
-only (not the SDK's export thread).
+only (not the SDK's export thread), and what each staged job and each ``complete=True``
+claim adds (``current_traceparent()``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def hooks(mode: str) -> None:
     number = 20_000 if mode == "sdk" else 200_000
     best = min(timeit.repeat(request, number=number, repeat=5)) / number
     print(f"{mode:7} {best * 1e6:7.2f} µs per request (start, the claim's and the finish's spans)")
+    # what a stage() or a complete=True claim adds: the current span's traceparent (in
+    # the sdk mode, inside a recording span, as in a traced request)
+    if mode == "sdk":
+        from opentelemetry import trace as api
+
+        with api.get_tracer("bench").start_as_current_span("request"):
+            best = min(timeit.repeat(tracing.current_traceparent, number=number, repeat=5))
+    else:
+        best = min(timeit.repeat(tracing.current_traceparent, number=number, repeat=5))
+    print(f"{mode:7} {best / number * 1e6:7.2f} µs per current_traceparent() (a staged job)")
 
 
 def child(mode: str, url: str, postmaster: int, out: str, rounds: int, requests: int) -> None:

@@ -24,9 +24,13 @@ from typing import Any
 from celery import Celery
 from flask import Flask, current_app
 
+from . import tracing
 from .asynchronous import RUN_KEY_JOB
 from .background.completer import run_deferred
 from .jobs import Job
+
+#: the task header that carries the staging span's W3C trace context
+TRACEPARENT_HEADER = "traceparent"
 
 
 class CeleryDispatcher:
@@ -54,7 +58,11 @@ class CeleryDispatcher:
         self.app = app
         self.names = names
         self.options = options
-        celery_app.task(name=RUN_KEY_JOB, acks_late=True, ignore_result=True)(self.run_key)
+        # shared=False: the task belongs to this Celery app only (another app of the
+        # process, e.g. a second test app, gets its own, not a duplicate of this one)
+        celery_app.task(name=RUN_KEY_JOB, acks_late=True, ignore_result=True, shared=False)(
+            self.run_key
+        )
 
     def knows(self, name: str) -> bool:
         """True if jobs named *name* can be sent."""
@@ -69,5 +77,26 @@ class CeleryDispatcher:
         return report.line() if report is not None else "not due"
 
     def __call__(self, job: Job) -> None:
-        """Send *job*; returns once the broker accepted it (raises otherwise)."""
-        self.celery.send_task(job.name, args=[job.payload], task_id=job.id, **self.options)
+        """Send *job*; returns once the broker accepted it (raises otherwise).
+
+        The W3C ``traceparent`` of the span that staged the job goes in the task's
+        headers (a worker reads it as ``task.request.traceparent``, or through
+        :func:`job_traceparent`), when the job has a valid one.
+        """
+        options = self.options
+        traceparent = tracing.valid_traceparent(job.traceparent)
+        if traceparent is not None:
+            headers = {**options.get("headers", {}), TRACEPARENT_HEADER: traceparent}
+            options = {**options, "headers": headers}
+        self.celery.send_task(job.name, args=[job.payload], task_id=job.id, **options)
+
+
+def job_traceparent(task: Any) -> str | None:
+    """In a task a :class:`CeleryDispatcher` sent, the ``traceparent`` of the span that
+    staged its job (*task* is the bound task, ``self``), or None; a value that is not a
+    valid ``traceparent`` is None too."""
+    request = getattr(task, "request", None)
+    value = getattr(request, TRACEPARENT_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(TRACEPARENT_HEADER)
+    return tracing.valid_traceparent(value)

@@ -21,10 +21,10 @@ from .asynchronous import register_status_view
 from .background.dispatch import DispatchFunction
 from .background.reconciler import RETRYABLE, ReconcileFunction, resolve
 from .cli import COMMANDS
-from .config import DEFAULTS, convert_option, load_settings, unknown_keys
+from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
 from .consumer import run_once
 from .ending import after_request, record_exception, teardown_request
-from .errors import ConfigError
+from .errors import ConfigError, StoreError, StoreUnavailable
 from .handler import begin
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
@@ -51,6 +51,20 @@ logger = logging.getLogger("flask_idempotency")
 #: RFC 9110 §9.2.1: a client may repeat these freely, so a key means nothing on them
 #: (and storing their answers for a day would serve stale reads)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def _outage_answer(settings: RouteSettings, exc: StoreError) -> Exception:
+    """What a view that let a StoreError out answers: the store could not be reached
+    (a phase's statements, SPEC §13): 503 with ``Retry-After`` (a release status: the
+    key becomes retryable; the failed phase committed nothing); else the error itself."""
+    if not exc.outage:
+        return exc
+    return settings.problem(
+        StoreUnavailable,
+        "The idempotency store became unavailable while the request ran; what it had not"
+        " committed was not. Retry later.",
+        retry_after=True,
+    )
 
 
 class Idempotency:
@@ -205,7 +219,10 @@ class Idempotency:
                 early = begin(state, settings, transactional, self.load_tenant)
                 if early is not None:
                     return early  # type: ignore[return-value]
-                return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
+                try:
+                    return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
+                except StoreError as exc:
+                    raise _outage_answer(settings, exc) from exc
 
             setattr(wrapper, WRAPPER_MARK, True)
             # how the completer finds the route's options (functools.wraps carries it on)

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from . import tracing
+
 MAX_JOB_NAME_LENGTH = 255
 
 
@@ -31,6 +33,9 @@ class Job:
     key: str
     #: how many hand-overs of this job failed before
     attempts: int = 0
+    #: the W3C ``traceparent`` of the span that staged it, as stored (None without a
+    #: tracer); the dispatcher's span links to it, ``CeleryDispatcher`` sends it on
+    traceparent: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,8 @@ class StagedJob:
     name: str
     #: the payload as a JSON document
     payload: str
+    #: the W3C ``traceparent`` of the span current when it was staged, or None
+    traceparent: str | None = None
 
 
 def staged_job(name: str, payload: Any) -> StagedJob:
@@ -58,7 +65,7 @@ def staged_job(name: str, payload: Any) -> StagedJob:
         document = json.dumps(payload, allow_nan=False, ensure_ascii=True)
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"the payload of job {name!r} is not JSON-serialisable: {exc}") from None
-    return StagedJob(str(uuid.uuid4()), name, document)
+    return StagedJob(str(uuid.uuid4()), name, document, tracing.current_traceparent())
 
 
 def stage_params(jobs: Sequence[StagedJob]) -> dict[str, Any]:
@@ -67,6 +74,7 @@ def stage_params(jobs: Sequence[StagedJob]) -> dict[str, Any]:
         "job_ids": [job.id for job in jobs],
         "job_names": [job.name for job in jobs],
         "job_payloads": [job.payload for job in jobs],
+        "job_traceparents": [job.traceparent for job in jobs],
     }
 
 

@@ -59,6 +59,9 @@ class PrometheusMetrics:
     - ``idempotency_deferred_keys``: ``asynchronous=True`` keys waiting for a run, and
       ``idempotency_jobs{state}``: staged jobs ``due`` (never tried, not failing),
       ``failing`` (failed at least once, not dead) and ``dead``; read when scraped too.
+    - ``idempotency_last_batch_timestamp_seconds{command,host}``: Unix time of the last
+      batch ``complete``, ``reconcile``, ``dispatch`` or ``clean`` finished on each host,
+      from the heartbeats table; alert when it grows old (a stale loop).
 
     Creating it does no I/O: the database is read only when the registry is scraped
     (nothing is opened before gunicorn forks, and a CLI command is not slowed by a
@@ -202,10 +205,12 @@ class StuckKeysCollector(Collector):
         yield self._stuck()
         yield self._deferred(0)
         yield self._jobs()
+        yield self._last_batch()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stuck: dict[tuple[str, str], tuple[int, int, int]] = {}
         backlog: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+        beats: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for app in list(self._apps):
             state = get_state(app)
             # apps on one table (several create_app() of one service) count once
@@ -217,7 +222,8 @@ class StuckKeysCollector(Collector):
                 stuck[where] = state.maintenance.count_stuck(state.settings.reconcile_max_attempts)
                 backlog[where] = state.maintenance.count_backlog()
             except StoreError:
-                continue
+                continue  # and no third wait for the heartbeats
+            self._read_heartbeats(app, beats)
         if stuck:
             family = self._stuck()
             for index, name in enumerate(("abandoned", "unknown", "exhausted")):
@@ -229,6 +235,45 @@ class StuckKeysCollector(Collector):
             for index, name in enumerate(("due", "failing", "dead"), start=1):
                 jobs.add_metric([name], sum(row[index] for row in backlog.values()))
             yield jobs
+        if beats:
+            yield self._last_batches(beats)
+
+    @staticmethod
+    def _read_heartbeats(app: Flask, beats: dict[tuple[str, str], list[dict[str, Any]]]) -> None:
+        """*app*'s heartbeats into *beats*, once per heartbeats table; nothing when that
+        read fails (the other gauges stay: the table may not be created yet)."""
+        state = get_state(app)
+        where = (
+            state.settings.database_url or str(id(state.store)),
+            state.settings.heartbeats_table,
+        )
+        if where in beats:
+            return
+        try:
+            beats[where] = state.operations.heartbeats()
+        except StoreError:
+            return
+
+    def _last_batches(
+        self, beats: dict[tuple[str, str], list[dict[str, Any]]]
+    ) -> GaugeMetricFamily:
+        family = self._last_batch()
+        seen: set[tuple[str, str]] = set()
+        for rows in beats.values():
+            for row in rows:
+                labels = (str(row["command"]), str(row["host"]))
+                if labels not in seen:  # two tables on one host: the first one's
+                    seen.add(labels)
+                    family.add_metric(list(labels), row["finished_at"].timestamp())
+        return family
+
+    @staticmethod
+    def _last_batch() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "idempotency_last_batch_timestamp_seconds",
+            "Unix time of the last batch each background command finished, by host.",
+            labels=["command", "host"],
+        )
 
     @staticmethod
     def _stuck() -> GaugeMetricFamily:

@@ -25,6 +25,7 @@ from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 from werkzeug.test import run_wsgi_app
 
+from . import tracing
 from .answers import answer
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
@@ -81,8 +82,19 @@ class Rerun:
         environ = self.environ(app)
 
         def call() -> int:
-            _, status, _ = run_wsgi_app(app, environ, buffered=True)
-            return int(status.split(None, 1)[0])
+            # current while the request runs: its spans (claim, finish, a web
+            # framework's) are its children, linked to the request that claimed the key
+            with tracing.linked(
+                tracing.RERUN,
+                self.stored.traceparent,
+                self.tenant,
+                self.key,
+                {"idempotency.attempt": self.attempt + 1},
+            ) as span:
+                _, status, _ = run_wsgi_app(app, environ, buffered=True)
+                code = int(status.split(None, 1)[0])
+                span.answered(code)
+                return code
 
         # A fresh context: the request gets its own app context (and g), not the CLI's.
         return contextvars.Context().run(call)
@@ -148,8 +160,14 @@ class Rerun:
         self.skipped = self._refusal(settings, identity)
         if self.skipped is not None:
             return _ended(f"not run: {self.skipped}")
+        # the takeover, the finish and the phases get their spans as a client's request
+        # does, children of the span current here (RERUN's, or a framework's inside it)
+        trace = tracing.start(self.tenant, self.key)
         try:
-            outcome, pinned = self._claim(state, settings, transactional)
+            with trace.span(tracing.CLAIM) as span:
+                outcome, pinned = self._claim(state, settings, transactional)
+                if outcome is not None:
+                    span.claimed(outcome)
         except StoreError as exc:
             self.store_error = exc
             raise settings.problem(StoreUnavailable, "The store failed.") from exc
@@ -158,7 +176,15 @@ class Rerun:
             return _ended("not run: the key changed meanwhile")
         self.outcome = outcome
         if outcome.owns_key:
-            claim = ClaimedKey(self.tenant, self.key, outcome, settings, state.store, pinned=pinned)
+            claim = ClaimedKey(
+                self.tenant,
+                self.key,
+                outcome,
+                settings,
+                state.store,
+                pinned=pinned,
+                trace=trace,
+            )
             set_claim(claim)
         return answer(settings, self.tenant, self.key, outcome, 0.0, 0.0)
 

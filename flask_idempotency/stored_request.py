@@ -16,6 +16,7 @@ from typing import Any
 
 from flask import request
 
+from . import tracing
 from .config import RouteSettings
 from .errors import RequestTooLarge
 
@@ -37,6 +38,9 @@ class StoredRequest:
     #: the stored headers, in order, with their original names
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""
+    #: the W3C ``traceparent`` of the span current when the request claimed the key
+    #: (empty without a tracer): the span of a run without the client links to it
+    traceparent: str = ""
 
     def encode(self) -> str:
         """Everything but the body, as one JSON document of ASCII text."""
@@ -47,6 +51,8 @@ class StoredRequest:
             "query": self.query,
             "headers": [list(pair) for pair in self.headers],
         }
+        if self.traceparent:
+            document["traceparent"] = self.traceparent
         return json.dumps(document, ensure_ascii=True, separators=(",", ":"))
 
     @classmethod
@@ -63,7 +69,9 @@ class StoredRequest:
             raise ValueError(f"the stored request is not readable: {exc!r:.200}") from None
         if not all(isinstance(value, str) for value in fields.values()):
             raise ValueError("the stored request is not readable: a field is not text")
-        return cls(headers=headers, body=bytes(body or b""), **fields)
+        # only a link to a trace: a value that is not one is dropped, never an error
+        traceparent = tracing.valid_traceparent(data.get("traceparent")) or ""
+        return cls(headers=headers, body=bytes(body or b""), traceparent=traceparent, **fields)
 
     @property
     def size(self) -> int:
@@ -94,6 +102,7 @@ def capture(settings: RouteSettings, body: bytes) -> StoredRequest:
         script_root=request.script_root,
         headers=tuple((n, v) for n, v in request.headers.items() if n.lower() in names),
         body=body,
+        traceparent=tracing.current_traceparent() or "",
     )
     if stored.size > settings.max_request_bytes:
         raise settings.problem(

@@ -8,6 +8,13 @@ tag; never the tenant), the decision and the attempt. The claim and the finish g
 straight to libpq (:mod:`.statement`), below any database instrumentation: these spans
 are how a trace shows them. A store failure sets the span's status to error.
 
+Across the asynchronous boundaries (SPEC §12), the W3C ``traceparent`` of the span
+current when a job is staged (:func:`current_traceparent`) is stored with the job, and
+the claiming request's with a ``complete=True`` key's stored request; the background
+spans :data:`DISPATCH` and :data:`RERUN` link to it (:func:`linked`). A stored value is
+read by :func:`parse_traceparent`, which ignores anything that is not a valid
+``traceparent`` (a tampered row is no error).
+
 Nothing of OpenTelemetry is imported until :func:`enable` (``init_app``) finds it
 installed, and a request pays for spans only while a tracer provider is configured:
 otherwise it gets :data:`NO_TRACE`, whose spans do nothing.
@@ -15,6 +22,7 @@ otherwise it gets :data:`NO_TRACE`, whose spans do nothing.
 
 from __future__ import annotations
 
+import re
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +34,21 @@ if TYPE_CHECKING:
     from contextvars import Token
 
     from opentelemetry.context import Context
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, SpanContext, Tracer
 
 CLAIM = "idempotency.claim"
 WAIT = "idempotency.wait"
 PHASE = "idempotency.phase"
 FINISH = "idempotency.finish"
+#: the dispatcher's span for one job, linked to the span that staged it
+DISPATCH = "idempotency.dispatch"
+#: a ``complete=True`` key run again without its client (the completer, or the run of
+#: an ``asynchronous=True`` key), linked to the span of the request that claimed it
+RERUN = "idempotency.rerun"
+
+#: a W3C trace context ``traceparent`` of version 00, lower-case hex as the spec writes it
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+TRACEPARENT_LENGTH = 55
 
 
 class SpanScope:
@@ -58,6 +75,9 @@ class SpanScope:
 
     def failed(self, exc: StoreError) -> None:
         """Mark the span as failed by the store."""
+
+    def answered(self, status: int) -> None:
+        """Record the HTTP status a run without its client answered."""
 
 
 class RequestTrace:
@@ -185,6 +205,9 @@ class _Scope(SpanScope):
             {"idempotency.decision": decision, "idempotency.attempt": attempt}
         )
 
+    def answered(self, status: int) -> None:
+        self._span.set_attribute("http.response.status_code", status)
+
     def failed(self, exc: StoreError) -> None:
         # Not the driver's message: PostgreSQL's DETAIL lines may quote a row's values.
         self._error("StoreError: " + ("unavailable" if exc.outage else "refused"))
@@ -193,3 +216,74 @@ class _Scope(SpanScope):
     def _error(self, description: str) -> None:
         status = self._api.trace.Status(self._api.trace.StatusCode.ERROR, description)
         self._span.set_status(status)
+
+
+# -- across the asynchronous boundaries -------------------------------------------------
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span, or None: OpenTelemetry is not
+    installed, or no span is current (no tracer provider: nothing is recorded)."""
+    api = _api
+    if api is None:
+        return None
+    context = api.trace.get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def parse_traceparent(value: object) -> SpanContext | None:
+    """The remote span context a stored *value* names, or None for anything that is
+    not a valid version-00 ``traceparent`` (garbage, too long, zero ids)."""
+    api = _api
+    if api is None or not isinstance(value, str) or len(value) != TRACEPARENT_LENGTH:
+        return None
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if not trace_id or not span_id:
+        return None
+    flags = api.trace.TraceFlags(int(match[3], 16) & api.trace.TraceFlags.SAMPLED)
+    context: SpanContext = api.trace.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=flags
+    )
+    return context
+
+
+def valid_traceparent(value: object) -> str | None:
+    """*value* if it is a valid ``traceparent`` (what may be sent on), else None."""
+    if isinstance(value, str) and parse_traceparent(value) is not None:
+        return value
+    return None
+
+
+def linked(
+    name: str,
+    traceparent: object,
+    tenant: str,
+    key: str,
+    attributes: dict[str, str | int] | None = None,
+) -> SpanScope:
+    """A span *name* that runs the block (it is current in it), in the current trace,
+    linked to the span *traceparent* names (no link when it is not valid); a span
+    that does nothing while no tracer provider is configured."""
+    api = _api
+    if api is None:
+        return _NO_SPAN
+    tracer = api.tracer()
+    if tracer is None:
+        return _NO_SPAN
+    origin = parse_traceparent(traceparent)
+    links = [api.trace.Link(origin)] if origin is not None else []
+    span = tracer.start_span(
+        name,
+        attributes={
+            "idempotency.key": key,
+            "idempotency.tenant_hash": tenant_tag(tenant),
+            **(attributes or {}),
+        },
+        links=links,
+    )
+    return _Scope(api, span, True)

@@ -24,7 +24,7 @@ from celery import Celery, Task
 from flask import Flask, request
 
 from flask_idempotency import Idempotency, Job, RequestInProgress, current_idempotency
-from flask_idempotency.celery import CeleryDispatcher
+from flask_idempotency.celery import CeleryDispatcher, job_traceparent
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS celery_receipts (job text, attempt integer, pid integer);
@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
 CREATE TABLE IF NOT EXISTS celery_gates (name text PRIMARY KEY, pid integer, open boolean);
 CREATE TABLE IF NOT EXISTS dispatched (job text, pid integer);
 CREATE TABLE IF NOT EXISTS exports (key text, attempt integer, pid integer);
+CREATE TABLE IF NOT EXISTS traced (job text, header text, pid integer);
 """
 GATE_TIMEOUT = 60.0
 
@@ -77,7 +78,21 @@ def make_apps(database_url: str, broker_url: str) -> tuple[Flask, Celery]:
             )
         return {"export": current_idempotency.key, "pid": os.getpid()}, 201
 
-    @celery.task(bind=True, name="send_receipt", max_retries=None)
+    @flask_app.post("/traced")
+    @idempotency.idempotent
+    def traced_view() -> tuple[dict[str, Any], int]:
+        return {"job": current_idempotency.stage("record_trace", {})}, 201
+
+    @celery.task(bind=True, name="record_trace", shared=False)
+    def record_trace(self: Task, payload: dict[str, Any]) -> None:
+        """What the worker received as the staging span's trace context."""
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO traced VALUES (%s, %s, %s)",
+                (self.request.id, job_traceparent(self), os.getpid()),
+            )
+
+    @celery.task(bind=True, name="send_receipt", max_retries=None, shared=False)
     def send_receipt(self: Task, payload: dict[str, Any]) -> Any:
         with flask_app.app_context():
             task_id = self.request.id

@@ -26,6 +26,8 @@ import pytest
 from celery_app import make_apps
 from gunicorn_server import ROOT, TESTS
 from helpers import wait_until
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from psycopg.rows import TupleRow
 from redisserver import RedisServer
 
@@ -229,3 +231,48 @@ def test_an_asynchronous_route_runs_its_view_once_in_a_celery_worker(
     assert polled.status_code == 201 and polled.get_json()["export"] == key
     replay = client.post("/exports", json={}, headers={"Idempotency-Key": key})
     assert replay.status_code == 201 and replay.data == polled.data
+
+
+def test_a_task_gets_the_traceparent_of_the_request_that_staged_its_job(
+    database_url: str, redis_url: str, worker: subprocess.Popen[bytes], db: DB
+) -> None:
+    """SPEC §12: CeleryDispatcher sends the staging span's W3C traceparent in the task's
+    headers; a real worker reads it back. A stored value that is not one (a tampered
+    row: garbage, 100 kB, NUL escaped) is not sent, and the job still goes."""
+    flask_app, _ = make_apps(database_url, redis_url)
+    staging = SpanContext(
+        0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, is_remote=False,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+    )  # fmt: skip
+    with trace.use_span(NonRecordingSpan(staging)):
+        answer = flask_app.test_client().post(
+            "/traced", json={}, headers={"Idempotency-Key": f"traced-{uuid.uuid4()}"}
+        )
+    assert answer.status_code == 201, answer.data
+    traced = answer.get_json()["job"]
+    expected = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    stored = db.execute("SELECT traceparent FROM idempotency_jobs WHERE id = %s", (traced,))
+    assert stored.fetchone() == (expected,)
+    hostile = {str(uuid.uuid4()): value for value in ("garbage", "0" * 100_000, "00-\\u0000")}
+    hostile[str(uuid.uuid4())] = expected.upper()  # upper-case hex is not valid (W3C)
+    for job, value in hostile.items():
+        db.execute(
+            "INSERT INTO idempotency_jobs (id, tenant, key, name, payload, traceparent)"
+            " VALUES (%s, '', %s, 'record_trace', '{}', %s)",
+            (job, job, value),
+        )
+    result = flask_app.test_cli_runner().invoke(args=["idempotency-dispatch"])
+    assert result.exit_code == 0 and "dispatched" in result.output, result.output
+
+    def received() -> dict[str, str | None]:
+        rows = db.execute(
+            "SELECT job, header FROM traced WHERE job = ANY(%s)", ([traced, *hostile],)
+        ).fetchall()
+        return dict(rows)
+
+    wait_until(lambda: len(received()) == 5, timeout=60)
+    got = received()
+    assert got.pop(traced) == expected
+    assert got == dict.fromkeys(hostile)
+    pids = db.execute("SELECT DISTINCT pid FROM traced WHERE job = %s", (traced,)).fetchall()
+    assert pids and os.getpid() not in {pid for (pid,) in pids}  # read in a worker process

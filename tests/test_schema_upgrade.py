@@ -18,7 +18,7 @@ from helpers import DB, post, wait_until
 from psycopg import sql
 
 from flask_idempotency.fingerprint import fingerprint
-from flask_idempotency.store.ddl import STORAGE, UPGRADE_COLUMNS
+from flask_idempotency.store.ddl import STORAGE, UPGRADE_COLUMNS, UPGRADE_JOB_COLUMNS
 
 ROWS = 50_000
 
@@ -263,3 +263,67 @@ def test_an_invalid_index_left_by_a_failed_build_is_built_again(
     definition = db.execute("SELECT pg_get_indexdef(to_regclass(%s))", (index,)).fetchone()
     assert definition is not None and "request IS NOT NULL" in definition[0]
     assert "UNIQUE" not in definition[0]
+
+
+JOBS = 20_000
+
+
+def test_init_adds_the_traceparent_column_to_a_populated_old_jobs_table_online(
+    make_app: Callable[..., Flask], db: DB, old_table: str, database_url: str
+) -> None:
+    """The jobs table as 0.1.0 made it, with JOBS jobs, gets ``traceparent`` (SPEC §12)
+    while the old release keeps staging jobs; the old jobs are dispatched as before."""
+    jobs = sql.Identifier(f"{old_table}_jobs")
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (id, tenant, key, name, payload)"
+            " SELECT gen_random_uuid(), 't', 'old-' || i, 'old_job', '{{\"n\": ' || i || '}}'"
+            " FROM generate_series(1, %s) AS i"
+        ).format(jobs),
+        (JOBS,),
+    )
+    assert "traceparent" not in columns(db, f"{old_table}_jobs")
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    stop = threading.Event()
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def old_release_staging() -> None:  # INSERTs without the new column, as 0.1.0 does
+        try:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                query = sql.SQL(
+                    "INSERT INTO {} (id, tenant, key, name, payload)"
+                    " VALUES (gen_random_uuid(), 't', 'during', 'old_job', '{{}}')"
+                ).format(jobs)
+                while not stop.is_set():
+                    started = time.monotonic()
+                    conn.execute(query)
+                    latencies.append(time.monotonic() - started)
+        except BaseException as exc:
+            errors.append(exc)
+
+    traffic = threading.Thread(target=old_release_staging)
+    traffic.start()
+    try:
+        wait_until(lambda: len(latencies) > 5)
+        result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    finally:
+        stop.set()
+        traffic.join(10)
+    assert result.exit_code == 0, result.output
+    assert not errors and max(latencies) < 1.0, (errors, max(latencies))
+    assert {name for name, _ in UPGRADE_JOB_COLUMNS} <= columns(db, f"{old_table}_jobs")
+    assert "jobs columns" in app.extensions["idempotency"].store.schema.upgraded
+    untraced = db.execute(sql.SQL("SELECT count(*) FROM {} WHERE traceparent IS NULL").format(jobs))
+    assert untraced.fetchone() == (JOBS + len(latencies),)
+
+    # the old jobs go out as before, without a trace context
+    idempotency = app.extensions["idempotency"].extension
+    got: list[Any] = []
+    idempotency.dispatcher(got.append)
+    out = app.test_cli_runner().invoke(args=["idempotency-dispatch"])
+    assert out.exit_code == 0 and "0 failed" in out.output, out.output
+    assert len(got) == JOBS + len(latencies)
+    assert all(job.traceparent is None for job in got)
+    again = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert again.exit_code == 0 and "already exists" in again.output

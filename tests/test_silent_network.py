@@ -21,6 +21,8 @@ from psycopg.rows import TupleRow
 from tcpproxy import TcpProxy
 from werkzeug.test import TestResponse
 
+from flask_idempotency import StoreError, current_idempotency
+
 DB = psycopg.Connection[TupleRow]
 TIMEOUT = 1.0  # IDEMPOTENCY_POOL_TIMEOUT and IDEMPOTENCY_STATEMENT_TIMEOUT in these tests
 
@@ -197,3 +199,39 @@ def test_concurrent_requests_through_a_frozen_proxy_all_answer(
         proxy.thaw()
     assert len(answers) == 6 and {status for status, _ in answers} == {503}
     assert max(seconds for _, seconds in answers) < 2 * TIMEOUT + 1.5
+
+
+def test_a_phase_whose_network_goes_silent_answers_within_the_bound(
+    partitioned_app: Flask, proxy: TcpProxy, key: str
+) -> None:
+    """H21a: a phase's BEGIN (and COMMIT) went out without the statement timeout, and a
+    phase hung for as long as the network stayed silent. Now every statement of the
+    phase's own is bounded, and its failure reaches the view as StoreError."""
+    app = partitioned_app
+    idempotency = app.extensions["idempotency"].extension
+    raised: list[BaseException] = []
+
+    @app.post("/silent-phase")
+    @idempotency.idempotent
+    def silent_phase() -> tuple[str, int]:
+        proxy.freeze()  # after the claim: the phase's connection is pooled and idle
+        try:
+            with current_idempotency.phase("frozen") as conn:
+                conn.execute("SELECT 1")
+        except Exception as exc:
+            raised.append(exc)
+            raise
+        return "never", 201
+
+    client = app.test_client()
+    assert post(client, "/payments", key + "-warm").status_code == 201  # the pool is open
+    try:
+        answer, seconds = timed(lambda: post(client, "/silent-phase", key))
+    finally:
+        proxy.thaw()
+    print(f"a phase under partition answered {answer.status_code} after {seconds:.2f} s")
+    assert seconds < TIMEOUT + TIMEOUT + 1.0, seconds
+    problem(answer, 503, "store-unavailable")
+    assert answer.headers["Retry-After"] == "1"
+    assert [type(exc) for exc in raised] == [StoreError], raised
+    assert raised[0].outage  # type: ignore[attr-defined]

@@ -124,7 +124,8 @@ def _autodoc(name: str) -> list[str]:
 
 
 def _data_doc(name: str) -> list[str]:
-    """The ``#:`` comment of the package-level name *name*, wherever it is defined."""
+    """The ``#:`` comment of the package-level name *name*, wherever it is defined
+    (subpackages included: RETRYABLE lives in background/)."""
     import flask_idempotency
 
     # walk_packages: since the store/background/cli layout, names live in subpackages too

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from .. import tracing
 from ..jobs import Job
 from ..keys import tenant_tag
 from ..store.batches import Batches
@@ -74,7 +75,7 @@ class Dispatcher:
             done: list[str] = []
             kept: list[Undispatched] = []
             for row in rows:
-                job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
+                job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6])
                 undispatched = self._hand_over(job)
                 if undispatched is None:
                     done.append(job.id)
@@ -102,7 +103,20 @@ class Dispatcher:
             )
             return Undispatched(job, f"no dispatcher knows the job name {job.name!r}", False)
         try:
-            self.dispatch(job)
+            # current while fn runs: a queue's own instrumentation (Celery's publish
+            # span) is its child, and through its link tied to the staging request
+            with tracing.linked(
+                tracing.DISPATCH,
+                job.traceparent,
+                job.tenant,
+                job.key,
+                {
+                    "idempotency.job.id": job.id,
+                    "idempotency.job.name": job.name,
+                    "idempotency.attempt": job.attempts + 1,
+                },
+            ):
+                self.dispatch(job)
         except Exception as exc:
             logger.error(
                 "job=%s name=%r attempt=%d: the dispatcher failed\n%s",

@@ -166,7 +166,7 @@ class Batches:
     @contextmanager
     def due_jobs(self, limit: int) -> Iterator[tuple[list[tuple[Any, ...]], PinnedConnection]]:
         """Lock up to *limit* due jobs in a transaction that lasts the block: ``(id,
-        name, payload, tenant, key, attempts)`` each, and the transaction for
+        name, payload, tenant, key, attempts, traceparent)`` each, and the transaction for
         :meth:`forget_jobs` and :meth:`fail_jobs`. Commits when the block ends, rolls
         back if it raises.
 

@@ -57,6 +57,11 @@ UPGRADE_COLUMNS = (
     ("reconcile_error", "text"),  # the last reconciler error
 )
 
+#: columns added to the jobs table since 0.1.0 (same rule: a catalog change only)
+UPGRADE_JOB_COLUMNS = (
+    ("traceparent", "text"),  # the W3C traceparent of the span that staged the job
+)
+
 #: the keys table's indexes, by the suffix of their name: what follows ``ON``
 INDEXES = {
     "expires_idx": "{table} (expires_at) WHERE status IN ('completed', 'retryable')",
@@ -82,12 +87,15 @@ SET_STORAGE = "ALTER TABLE {table} SET ({storage})"
 LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 # What exists: missing objects (by their to_regclass name), the keys table's columns,
-# its invalid indexes (a concurrent build that failed), its storage parameters, and
-# whether this role may change them (the table's owner, or a member of its role).
+# the jobs table's columns, the keys table's invalid indexes (a concurrent build that
+# failed), its storage parameters, and whether this role may change them (the table's
+# owner, or a member of its role).
 SCHEMA_STATE = """
 SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclass(name) IS NULL),
        ARRAY(SELECT attname::text FROM pg_attribute
              WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped),
+       ARRAY(SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass(%(jobs)s) AND attnum > 0 AND NOT attisdropped),
        ARRAY(SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
              WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid),
        coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
@@ -108,7 +116,8 @@ CREATE TABLE IF NOT EXISTS {jobs} (
     due_at timestamptz NOT NULL DEFAULT now(),
     dead boolean NOT NULL DEFAULT false,
     last_error text,
-    created_at timestamptz NOT NULL DEFAULT now()
+    created_at timestamptz NOT NULL DEFAULT now(),
+    traceparent text
 );
 CREATE INDEX IF NOT EXISTS {jobs_due_index} ON {jobs} (due_at) WHERE NOT dead;
 """

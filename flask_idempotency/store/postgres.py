@@ -476,11 +476,16 @@ class PostgresStore:
         with ``recovery_point = point`` and the *jobs* staged in the block (read when
         the block ends), or not at all.
 
+        Its own statements (``BEGIN``, the advance, ``COMMIT`` or ``ROLLBACK``) are
+        bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT`` and fail as :class:`StoreError`;
+        the block's, the view's, are the view's.
+
         :raises AttemptSuperseded: another attempt owns the key now; nothing commits.
+        :raises StoreError: the store failed; nothing commits.
         """
         conn = self._checkout()
         try:
-            with conn.transaction():
+            with _bounded_transaction(conn, self.settings.statement_timeout):
                 yield conn
                 params = {
                     "tenant": tenant,
@@ -492,7 +497,7 @@ class PostgresStore:
                 }
                 if jobs:
                     params.update(stage_params(jobs))
-                with bounded(conn, self.settings.statement_timeout):
+                with store_errors(), bounded(conn, self.settings.statement_timeout):
                     advanced, _ = execute(conn, self._advances[bool(jobs)], params, self._prepare)
                 if advanced != 1:
                     raise AttemptSuperseded(
@@ -501,6 +506,28 @@ class PostgresStore:
                     )
         finally:
             self.pool.putconn(conn)
+
+
+@contextmanager
+def _bounded_transaction(conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
+    """``conn.transaction()`` whose ``BEGIN`` and ``COMMIT`` (or ``ROLLBACK``) are
+    bounded by *seconds* and fail as StoreError; the block's statements are not bounded
+    here. A rollback that fails leaves the block's exception as it was (the pool
+    closes the connection)."""
+    transaction = conn.transaction()
+    with store_errors(), bounded(conn, seconds):
+        transaction.__enter__()
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            with store_errors(), bounded(conn, seconds):
+                transaction.__exit__(type(exc), exc, exc.__traceback__)
+        except StoreError as failed:
+            logger.warning("a phase could not roll back: %s", failed)
+        raise
+    with store_errors(), bounded(conn, seconds):
+        transaction.__exit__(None, None, None)
 
 
 def _staging(update: str) -> str:

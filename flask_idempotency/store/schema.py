@@ -34,6 +34,7 @@ from .ddl import (
     STORAGE,
     TABLE,
     UPGRADE_COLUMNS,
+    UPGRADE_JOB_COLUMNS,
 )
 from .statements_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
@@ -59,6 +60,8 @@ class SchemaState:
     options: frozenset[str]
     #: whether this role may change them (owns the table)
     owned: bool
+    #: the jobs table's columns
+    job_columns: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,7 @@ class Schema:
         self.steps: list[Step] = [
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
+            Step("jobs columns", self._lacks_job_columns, self._add_job_columns),
             Step("audit and heartbeats tables", self._lacks_console, self._create_console),
             Step("autovacuum settings", self._lacks_storage, self._set_storage),
             *(
@@ -130,12 +134,21 @@ class Schema:
 
     def state(self, conn: psycopg.Connection[Any]) -> SchemaState:
         """What exists now (one query)."""
-        params = {"names": list(self._regclass.values()), "table": self._regclass["table"]}
+        params = {
+            "names": list(self._regclass.values()),
+            "table": self._regclass["table"],
+            "jobs": self._regclass["jobs"],
+        }
         row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
         assert row is not None
-        missing, columns, invalid, options, owned = row
+        missing, columns, job_columns, invalid, options, owned = row
         return SchemaState(
-            frozenset(missing), frozenset(columns), frozenset(invalid), frozenset(options), owned
+            frozenset(missing),
+            frozenset(columns),
+            frozenset(invalid),
+            frozenset(options),
+            owned,
+            frozenset(job_columns),
         )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
@@ -254,6 +267,19 @@ class Schema:
                 ),
                 prepare=False,
             )
+
+    def _lacks_job_columns(self, state: SchemaState) -> bool:
+        if self._regclass["jobs"] in state.missing:
+            return False  # the jobs table step creates it with them
+        return any(column not in state.job_columns for column, _ in UPGRADE_JOB_COLUMNS)
+
+    def _add_job_columns(self, conn: psycopg.Connection[Any]) -> None:
+        # Claims that stage jobs insert into this table: the same short lock timeout.
+        parts = [
+            sql.SQL(ADD_COLUMN).format(column=sql.Identifier(column)) + sql.SQL(definition)
+            for column, definition in UPGRADE_JOB_COLUMNS
+        ]
+        self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.jobs) + sql.SQL(", ").join(parts))
 
     def _lacks_console(self, state: SchemaState) -> bool:
         names = ("audit", "audit_index", "heartbeats")

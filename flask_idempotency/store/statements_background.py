@@ -134,7 +134,7 @@ LIMIT %(limit)s
 # One batch for a dispatcher: held by its row locks for as long as its transaction
 # lives, so a dispatcher that dies hands its batch back at once.
 DUE_JOBS = """
-SELECT id::text, name, payload, tenant, key, attempts FROM {jobs}
+SELECT id::text, name, payload, tenant, key, attempts, traceparent FROM {jobs}
 WHERE NOT dead AND due_at <= now()
 ORDER BY due_at
 LIMIT %(limit)s

@@ -125,10 +125,11 @@ ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS c
 # fenced or rolled-back attempt stages nothing and staging adds no round trip.
 STAGE_JOBS = """
 , staged AS (
-    INSERT INTO {jobs} (id, tenant, key, name, payload)
-    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload
-    FROM unnest(%(job_ids)s::uuid[], %(job_names)s::text[], %(job_payloads)s::text[])
-         AS job (id, name, payload)
+    INSERT INTO {jobs} (id, tenant, key, name, payload, traceparent)
+    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload, job.traceparent
+    FROM unnest(%(job_ids)s::uuid[], %(job_names)s::text[], %(job_payloads)s::text[],
+                %(job_traceparents)s::text[])
+         AS job (id, name, payload, traceparent)
     WHERE EXISTS (SELECT FROM ended)
 )
 SELECT * FROM ended
