@@ -166,9 +166,9 @@ class Batches:
     @contextmanager
     def due_jobs(self, limit: int) -> Iterator[tuple[list[tuple[Any, ...]], PinnedConnection]]:
         """Lock up to *limit* due jobs in a transaction that lasts the block: ``(id,
-        name, payload, tenant, key, attempts)`` each, and the transaction for
-        :meth:`forget_jobs` and :meth:`fail_jobs`. Commits when the block ends, rolls
-        back if it raises.
+        name, payload, tenant, key, attempts, ordered)`` each, and the transaction for
+        :meth:`more_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`. Commits when the
+        block ends, rolls back if it raises.
 
         Its statements are never prepared: a lost prepared statement would abort a
         transaction whose jobs were handed over already.
@@ -176,12 +176,19 @@ class Batches:
         store = self.store
         pinned = store.pin()
         try:
-            rows = store.fetch(self._due_jobs, {"limit": limit}, pinned, prepare=False).rows
-            yield rows, pinned
+            yield self.more_jobs(limit, [], pinned), pinned
         except BaseException:
             store.unpin(pinned, commit=False)
             raise
         store.unpin(pinned, commit=True)
+
+    def more_jobs(
+        self, limit: int, taken: list[str], pinned: PinnedConnection
+    ) -> list[tuple[Any, ...]]:
+        """The batch's next round: up to *limit* due jobs other than *taken*, in the
+        batch's transaction (the ordered jobs whose predecessors it forgot are due now)."""
+        params = {"limit": limit, "taken": taken}
+        return self.store.fetch(self._due_jobs, params, pinned, prepare=False).rows
 
     def forget_jobs(self, ids: list[str], pinned: PinnedConnection) -> None:
         """Delete the jobs *ids* (handed over) in the batch's transaction."""

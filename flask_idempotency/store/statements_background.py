@@ -131,11 +131,18 @@ LIMIT %(limit)s
 
 # -- staged jobs (the outbox) ----------------------------------------------------------------
 
-# One batch for a dispatcher: held by its row locks for as long as its transaction
-# lives, so a dispatcher that dies hands its batch back at once.
+# One round of a dispatcher's batch: held by its row locks for as long as its
+# transaction lives, so a dispatcher that dies hands its batch back at once. An ordered
+# job is due only while no earlier ordered job of its key is left (failing, dead, or
+# held by another dispatcher: its row is still there), one probe of the order index;
+# the batch's next round, in the same transaction, sees the jobs it handed over gone
+# and takes their successors. ``taken``: the jobs this batch tried already.
 DUE_JOBS = """
-SELECT id::text, name, payload, tenant, key, attempts FROM {jobs}
-WHERE NOT dead AND due_at <= now()
+SELECT id::text, name, payload, tenant, key, attempts, seq IS NOT NULL FROM {jobs} AS j
+WHERE NOT dead AND due_at <= now() AND id <> ALL(%(taken)s::uuid[])
+  AND (seq IS NULL OR NOT EXISTS (
+      SELECT FROM {jobs} AS earlier
+      WHERE earlier.tenant = j.tenant AND earlier.key = j.key AND earlier.seq < j.seq))
 ORDER BY due_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
