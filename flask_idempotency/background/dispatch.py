@@ -78,29 +78,28 @@ class Dispatcher:
         """
         outcomes: list[Outcome] = []
         with self.batches.due_jobs(limit) as (rows, batch):
-            taken: list[str] = []
             while rows:
-                taken.extend(row[0] for row in rows)
-                released = self._run_round(rows, batch, outcomes)
-                if not released or len(taken) >= limit:
+                handed_over = self._run_round(rows, batch, outcomes)
+                if not handed_over or len(outcomes) >= limit:
                     break
-                rows = self.batches.more_jobs(limit - len(taken), taken, batch)
+                rows = self.batches.next_jobs(limit - len(outcomes), handed_over, batch)
         return outcomes
 
     def _run_round(
         self, rows: list[tuple[Any, ...]], batch: PinnedConnection, outcomes: list[Outcome]
-    ) -> bool:
+    ) -> list[tuple[str, str]]:
         """Hand one round's jobs over, forget or reschedule them in the batch's
-        transaction; True if an ordered job was handed over (its successor is due)."""
+        transaction: the keys whose ordered job was handed over (their next one is due)."""
         done: list[str] = []
         kept: list[Undispatched] = []
-        released = False
+        handed_over: list[tuple[str, str]] = []
         for row in rows:
             job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6])
             undispatched = self._hand_over(job)
             if undispatched is None:
                 done.append(job.id)
-                released = released or job.ordered
+                if job.ordered:
+                    handed_over.append((job.tenant, job.key))
                 outcomes.append(_outcome(job, DISPATCHED))
             else:
                 kept.append(undispatched)
@@ -110,7 +109,7 @@ class Dispatcher:
             self.batches.forget_jobs(done, batch)
         if kept:
             self.batches.fail_jobs(self._failure_params(kept), batch)
-        return released
+        return handed_over
 
     def _hand_over(self, job: Job) -> Undispatched | None:
         """Dispatch one job; None once the dispatcher accepted it."""
