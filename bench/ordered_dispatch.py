@@ -41,7 +41,7 @@ FROM generate_series(1, %(jobs)s) AS i
 """
 DEAD_HEAD = """
 INSERT INTO idempotency_jobs (id, tenant, key, name, payload, seq, dead, attempts)
-SELECT gen_random_uuid(), '', 'blocked', 'job', '{}', i, i = 0, CASE WHEN i = 0 THEN 5 END
+SELECT gen_random_uuid(), '', 'blocked', 'job', '{}', i, i = 0, CASE WHEN i = 0 THEN 5 ELSE 0 END
 FROM generate_series(0, %(jobs)s) AS i
 """
 

@@ -41,6 +41,7 @@ RUNS: dict[str, list[str]] = {
     "pgbouncer": ["howto/pgbouncer.md"],
     "openapi-cors": ["howto/openapi-cors.md"],
     "browser-keys": ["howto/browser-keys.md"],
+    "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES = {"_readme_frontpage_draft.md"}
