@@ -127,7 +127,7 @@ class ClaimedKey:
             self._phase_jobs = None
         self.outcome = dataclasses.replace(self.outcome, recovery_point=name)
 
-    def stage(self, name: str, payload: Any = None) -> str:
+    def stage(self, name: str, payload: Any = None, *, ordered: bool = False) -> str:
         """Record a job that becomes real exactly when the state it belongs to commits:
         with the stored response (or a transactional view's transaction), or, inside
         ``phase(...)``, with that phase. An attempt that rolls back, is released, raises
@@ -136,10 +136,16 @@ class ClaimedKey:
 
         :param name: the job's name (a Celery task name, say): 1-255 printable characters.
         :param payload: any JSON-serialisable value.
+        :param ordered: hand this job over only after every ordered job this key staged
+            before it was handed over; while one of those fails (or is dead) this one
+            waits. The order is the order the jobs committed in (a phase's jobs before
+            the response's, attempt after attempt) and, within one commit, the order of
+            the ``stage()`` calls. Unordered jobs never wait.
         :returns: the job's id, stable across hand-overs (the Celery task id).
-        :raises TypeError: *payload* is not JSON-serialisable (NaN included), at once.
+        :raises TypeError: *payload* is not JSON-serialisable (NaN included), or
+            *ordered* is not a bool, at once.
         """
-        job = staged_job(name, payload)
+        job = staged_job(name, payload, ordered)
         (self._phase_jobs if self._phase_jobs is not None else self.jobs).append(job)
         return job.id
 

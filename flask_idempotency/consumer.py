@@ -1,9 +1,10 @@
 """``idempotency.run_once(key, fn, ...)``: the same state machine for queue consumers.
 
-The message id is the key. The first delivery runs ``fn`` and stores its JSON result;
-a redelivery afterwards gets the stored result without running ``fn``; a delivery
-while another runs raises :class:`~.errors.RequestInProgress`. An exception from
-``fn`` always reaches the caller; what the key becomes follows ``ON_EXCEPTION``.
+The message id is the key. The first delivery runs ``fn`` and stores its result
+(JSON, or the text of a ``serializer=``'s ``dumps``); a redelivery afterwards gets the
+stored result (``loads`` of it) without running ``fn``; a delivery while another runs
+raises :class:`~.errors.RequestInProgress`. An exception from ``fn`` always reaches the
+caller; what the key becomes follows ``ON_EXCEPTION``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from flask import current_app
 
@@ -41,8 +42,36 @@ logger = logging.getLogger("flask_idempotency")
 T = TypeVar("T")
 
 _JSON = [("Content-Type", "application/json")]
+_TEXT = [("Content-Type", "text/plain; charset=utf-8")]
 #: the stored status of a result, and of a failure kept under ``ON_EXCEPTION="store"``
 RESULT_STATUS, FAILURE_STATUS = 200, 500
+
+
+class Serializer(Protocol):
+    """What ``run_once(..., serializer=)`` takes: a result as text, and back."""
+
+    def dumps(self, obj: Any, /) -> str:
+        """The result *obj* as text, stored as it is (UTF-8; NUL and lone surrogates
+        are kept)."""
+
+    def loads(self, text: str, /) -> Any:
+        """The result again, from what :meth:`dumps` returned (on a redelivery)."""
+
+
+class _JSONSerializer:
+    """The default: JSON (NaN and infinities refused)."""
+
+    def dumps(self, obj: Any) -> str:
+        return json.dumps(obj, allow_nan=False)
+
+    def loads(self, text: str) -> Any:
+        return json.loads(text)
+
+    def __repr__(self) -> str:
+        return "JSON"
+
+
+JSON = _JSONSerializer()
 
 
 class StoredFailure(IdempotencyError):
@@ -69,8 +98,10 @@ def run_once(
     kwargs: dict[str, Any],
     tenant: str,
     on_exception: str | None = None,
+    serializer: Serializer | None = None,
 ) -> T:
     """See :meth:`.Idempotency.run_once`."""
+    serializer = _checked_serializer(serializer)
     settings = state.settings.route
     if on_exception is not None:
         settings = settings.override({"on_exception": _policy(on_exception)})
@@ -85,9 +116,22 @@ def run_once(
         span.claimed(outcome)
     _announce(tenant, key, outcome)
     if not outcome.owns_key:
-        return _replayed(tenant, key, outcome)  # type: ignore[no-any-return]
+        return _replayed(tenant, key, outcome, serializer)  # type: ignore[no-any-return]
     claim = ClaimedKey(tenant, key, outcome, settings, state.store, trace=trace)
-    return _run(settings, claim, fn, args, kwargs)
+    return _run(settings, claim, fn, args, kwargs, serializer)
+
+
+def _checked_serializer(serializer: object) -> Serializer:
+    """*serializer*, or the default JSON one; refused before anything runs if it has
+    no callable ``dumps`` and ``loads``."""
+    if serializer is None:
+        return JSON
+    if not all(callable(getattr(serializer, name, None)) for name in ("dumps", "loads")):
+        raise TypeError(
+            "run_once(serializer=...) must have dumps(obj) -> str and loads(str) -> obj,"
+            f" got {serializer!r:.80}"
+        )
+    return serializer  # type: ignore[return-value]
 
 
 def _fingerprint(fn: Callable[..., Any]) -> bytes:
@@ -113,15 +157,15 @@ def forget_command(tenant: str, key: str) -> str:
     return f"{command} --tenant {shlex.quote(tenant)}" if tenant else command
 
 
-def _replayed(tenant: str, key: str, outcome: ClaimOutcome) -> Any:
+def _replayed(tenant: str, key: str, outcome: ClaimOutcome, serializer: Serializer) -> Any:
     """The stored result, or the error a delivery that must not run gets."""
     decision = outcome.decision
     if decision is Decision.REPLAY:
         assert outcome.response is not None
-        stored = json.loads(outcome.response.body)
         if outcome.response.status == FAILURE_STATUS:
+            stored = json.loads(outcome.response.body)
             raise StoredFailure(key, stored["exception"], stored["message"], tenant)
-        return stored
+        return _loaded(tenant, key, outcome.response.body, serializer)
     if decision is Decision.MISMATCH:
         raise FingerprintMismatch(f"the key {key!r} was used by another consumer function")
     if decision is Decision.IN_PROGRESS:
@@ -133,12 +177,48 @@ def _replayed(tenant: str, key: str, outcome: ClaimOutcome) -> Any:
     )
 
 
+def _loaded(tenant: str, key: str, body: bytes, serializer: Serializer) -> Any:
+    """``loads`` of the stored result; its exception reaches the caller with a note
+    (the key stays completed: *fn* ran, and runs again only once forgotten)."""
+    try:
+        return serializer.loads(body.decode("utf-8", "surrogatepass"))
+    except Exception as exc:
+        _add_note(
+            exc,
+            f"flask-idempotency: key {key!r} is completed (fn ran and its result is"
+            f" stored), but {serializer!r}.loads could not read the stored result; fn will"
+            " not run again: deliver it with the serializer that stored it, or run"
+            f" {forget_command(tenant, key)} to run fn afresh",
+        )
+        raise
+
+
+def _dumped(claim: ClaimedKey, result: Any, serializer: Serializer) -> bytes:
+    """``dumps`` of *result* as stored bytes.
+
+    :raises TypeError: ``dumps`` raised or did not return a str.
+    """
+    what = "is not JSON" if serializer is JSON else f"cannot be stored by {serializer!r:.80}"
+    try:
+        text = serializer.dumps(result)
+    except Exception as exc:
+        raise TypeError(f"run_once: the result of {claim.key!r} {what}: {exc}") from exc
+    if not isinstance(text, str):
+        raise TypeError(
+            f"run_once: the result of {claim.key!r} {what}: dumps returned"
+            f" {type(text).__name__}, not str"
+        )
+    # bytea keeps NUL; surrogatepass keeps lone surrogates: loads gets exactly this str
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _run(
     settings: RouteSettings,
     claim: ClaimedKey,
     fn: Callable[..., T],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    serializer: Serializer,
 ) -> T:
     """Run *fn* as the owner of the key, then store its result or its failure."""
     with _claimed(claim):
@@ -154,12 +234,14 @@ def _run(
             _end(claim, KeyStatus.RETRYABLE, None)
             return result
         try:
-            body = json.dumps(result, allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:
+            body = _dumped(claim, result, serializer)
+        except TypeError as exc:
             # fn ran, its result cannot be kept: nobody can tell a redelivery what happened.
-            _end(claim, KeyStatus.UNKNOWN, None)
-            raise TypeError(f"run_once: the result of {claim.key!r} is not JSON: {exc}") from exc
-        _end(claim, KeyStatus.COMPLETED, StoredResponse(RESULT_STATUS, _JSON, body))
+            owned = _end(claim, KeyStatus.UNKNOWN, None)
+            _add_note(exc, _what_became_of(claim, KeyStatus.UNKNOWN if owned else None, True))
+            raise
+        headers = _JSON if serializer is JSON else _TEXT
+        _end(claim, KeyStatus.COMPLETED, StoredResponse(RESULT_STATUS, headers, body))
         return result
 
 
@@ -171,9 +253,16 @@ def _failure_status(settings: RouteSettings) -> KeyStatus:
     }[settings.on_exception]
 
 
-def _what_became_of(claim: ClaimedKey, status: KeyStatus | None) -> str:
-    """The note a failure of *fn* carries to the caller: what the key is now."""
+def _what_became_of(claim: ClaimedKey, status: KeyStatus | None, unstorable: bool = False) -> str:
+    """The note a failure of *fn* (or of storing its result) carries to the caller:
+    what the key is now."""
     key = claim.key
+    if unstorable and status is KeyStatus.UNKNOWN:
+        return (
+            f"flask-idempotency: fn ran but its result was not stored: key {key!r} is now"
+            " unknown; later deliveries raise OutcomeUnknown until it is resolved (the"
+            " reconciler, resolve(), or flask idempotency-resolve)"
+        )
     if status is KeyStatus.COMPLETED:
         return (
             f"flask-idempotency: this failure is stored for key {key!r}"

@@ -22,7 +22,7 @@ from .background.dispatch import DispatchFunction
 from .background.reconciler import RETRYABLE, ReconcileFunction, resolve
 from .cli import COMMANDS
 from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
-from .consumer import run_once
+from .consumer import Serializer, run_once
 from .ending import after_request, record_exception, teardown_request
 from .errors import ConfigError, StoreError, StoreUnavailable
 from .handler import begin
@@ -290,6 +290,7 @@ class Idempotency:
         *args: Any,
         tenant: str = "",
         on_exception: str | None = None,
+        serializer: Serializer | None = None,
         **kwargs: Any,
     ) -> T:
         """Run ``fn(*args, **kwargs)`` once per *key* (a message id), for queue consumers.
@@ -306,14 +307,25 @@ class Idempotency:
         ``"release"`` lets the next delivery run *fn* again, ``"unknown"`` waits for
         reconciliation.
 
+        *serializer*: an object with ``dumps(obj) -> str`` and ``loads(str) -> obj``
+        (a Pydantic model's ``model_dump_json`` / ``model_validate_json``, say), for
+        results that are not JSON; the default is JSON. The stored result is the text
+        ``dumps`` returned; a redelivery returns ``loads`` of it. A ``dumps`` that
+        raises or returns anything but a ``str`` is treated as a result that is not
+        JSON: :class:`TypeError`, and the key is ``unknown``. An exception from
+        ``loads`` on a redelivery reaches the caller with a note; the key stays
+        completed.
+
         :raises ConfigError: *on_exception* is not one of those three.
+        :raises TypeError: *serializer* lacks ``dumps`` or ``loads`` (nothing ran), or
+            the result could not be stored (the key is now ``unknown``).
         :raises RequestInProgress: another delivery is running *fn* right now: leave
             the message to be redelivered.
         :raises StoredFailure: the first run raised and ``ON_EXCEPTION`` is ``"store"``.
         :raises OutcomeUnknown: the key is ``unknown``.
         :raises StoreError: the store failed; nothing ran.
         """
-        return run_once(get_state(), key, fn, args, kwargs, tenant, on_exception)
+        return run_once(get_state(), key, fn, args, kwargs, tenant, on_exception, serializer)
 
 
 def _refuse_safe_methods(app: Flask) -> None:

@@ -36,6 +36,8 @@ class Job:
     #: the W3C ``traceparent`` of the span that staged it, as stored (None without a
     #: tracer); the dispatcher's span links to it, ``CeleryDispatcher`` sends it on
     traceparent: str | None = None
+    #: staged with ``ordered=True``: handed over after the key's earlier ordered jobs
+    ordered: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +50,20 @@ class StagedJob:
     payload: str
     #: the W3C ``traceparent`` of the span current when it was staged, or None
     traceparent: str | None = None
+    #: ``stage(..., ordered=True)``: after the key's earlier ordered jobs
+    ordered: bool = False
 
 
-def staged_job(name: str, payload: Any) -> StagedJob:
-    """Check *name* and *payload* at once, in the view, and make the job.
+def staged_job(name: str, payload: Any, ordered: bool = False) -> StagedJob:
+    """Check *name*, *payload* and *ordered* at once, in the view, and make the job.
 
     :raises ValueError: the name is empty, too long or not printable text.
-    :raises TypeError: the payload is not JSON-serialisable (NaN and infinities are not).
+    :raises TypeError: the payload is not JSON-serialisable (NaN and infinities are not),
+        or *ordered* is not a bool.
     """
+    if not isinstance(ordered, bool):
+        # 1, "yes" or None would be truthy or falsy by accident: the order is a promise
+        raise TypeError(f"ordered must be True or False, got {ordered!r:.80}")
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_JOB_NAME_LENGTH:
         raise ValueError(f"a job name is 1-{MAX_JOB_NAME_LENGTH} characters, got {name!r:.80}")
     if not name.isprintable() or not _is_utf8(name):
@@ -65,7 +73,7 @@ def staged_job(name: str, payload: Any) -> StagedJob:
         document = json.dumps(payload, allow_nan=False, ensure_ascii=True)
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"the payload of job {name!r} is not JSON-serialisable: {exc}") from None
-    return StagedJob(str(uuid.uuid4()), name, document, tracing.current_traceparent())
+    return StagedJob(str(uuid.uuid4()), name, document, tracing.current_traceparent(), ordered)
 
 
 def stage_params(jobs: Sequence[StagedJob]) -> dict[str, Any]:
@@ -75,6 +83,7 @@ def stage_params(jobs: Sequence[StagedJob]) -> dict[str, Any]:
         "job_names": [job.name for job in jobs],
         "job_payloads": [job.payload for job in jobs],
         "job_traceparents": [job.traceparent for job in jobs],
+        "job_ordered": [job.ordered for job in jobs],
     }
 
 

@@ -45,6 +45,7 @@ RUNS: dict[str, list[str]] = {
     "client-answers": ["howto/client-answers.md"],
     "encryption": ["howto/encryption.md"],
     "console": ["howto/console.md"],
+    "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES: set[str] = set()

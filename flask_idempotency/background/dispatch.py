@@ -15,7 +15,7 @@ import logging
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import tracing
 from ..jobs import Job
@@ -24,6 +24,9 @@ from ..store.batches import Batches
 from ..store.rows import storable_text
 from .report import Outcome
 from .report import summary as report_summary
+
+if TYPE_CHECKING:
+    from ..store.postgres import PinnedConnection
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -68,27 +71,46 @@ class Dispatcher:
         """Lock up to *limit* due jobs, hand each over, then forget the dispatched ones
         and reschedule the others, all in one transaction: what became of each.
 
+        A key's ordered jobs come one per round (each waits for the one before it to
+        be handed over): while a round handed an ordered job over, the batch takes
+        another round, in the same transaction, up to *limit* jobs in all.
+
         :raises StoreError: the store failed; nothing was forgotten.
         """
         outcomes: list[Outcome] = []
         with self.batches.due_jobs(limit) as (rows, batch):
-            done: list[str] = []
-            kept: list[Undispatched] = []
-            for row in rows:
-                job = Job(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6])
-                undispatched = self._hand_over(job)
-                if undispatched is None:
-                    done.append(job.id)
-                    outcomes.append(_outcome(job, DISPATCHED))
-                else:
-                    kept.append(undispatched)
-                    name = FAILED if undispatched.counts else UNKNOWN_NAME
-                    outcomes.append(_outcome(job, name, undispatched.reason))
-            if done:
-                self.batches.forget_jobs(done, batch)
-            if kept:
-                self.batches.fail_jobs(self._failure_params(kept), batch)
+            while rows:
+                handed_over = self._run_round(rows, batch, outcomes)
+                if not handed_over or len(outcomes) >= limit:
+                    break
+                rows = self.batches.next_jobs(limit - len(outcomes), handed_over, batch)
         return outcomes
+
+    def _run_round(
+        self, rows: list[tuple[Any, ...]], batch: PinnedConnection, outcomes: list[Outcome]
+    ) -> list[tuple[str, str]]:
+        """Hand one round's jobs over, forget or reschedule them in the batch's
+        transaction: the keys whose ordered job was handed over (their next one is due)."""
+        done: list[str] = []
+        kept: list[Undispatched] = []
+        handed_over: list[tuple[str, str]] = []
+        for row in rows:
+            job = Job(row[0], row[1], json.loads(row[2]), *row[3:8])
+            undispatched = self._hand_over(job)
+            if undispatched is None:
+                done.append(job.id)
+                if job.ordered:
+                    handed_over.append((job.tenant, job.key))
+                outcomes.append(_outcome(job, DISPATCHED))
+            else:
+                kept.append(undispatched)
+                name = FAILED if undispatched.counts else UNKNOWN_NAME
+                outcomes.append(_outcome(job, name, undispatched.reason))
+        if done:
+            self.batches.forget_jobs(done, batch)
+        if kept:
+            self.batches.fail_jobs(self._failure_params(kept), batch)
+        return handed_over
 
     def _hand_over(self, job: Job) -> Undispatched | None:
         """Dispatch one job; None once the dispatcher accepted it."""

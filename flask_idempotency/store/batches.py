@@ -29,6 +29,7 @@ from .statements_background import (
     FAIL_JOBS,
     KEY_STATE,
     MARK_UNKNOWN,
+    NEXT_JOBS,
     RESCHEDULE,
     TAKE_OVER,
     UNRESERVE,
@@ -56,6 +57,7 @@ class Batches:
         self._due_jobs = statement(DUE_JOBS)
         self._delete_jobs = statement(DELETE_JOBS)
         self._fail_jobs = statement(FAIL_JOBS)
+        self._next_jobs = statement(NEXT_JOBS)
 
     def open_request(
         self, tenant: str, key: str, document: str, body: bytes | None
@@ -166,9 +168,9 @@ class Batches:
     @contextmanager
     def due_jobs(self, limit: int) -> Iterator[tuple[list[tuple[Any, ...]], PinnedConnection]]:
         """Lock up to *limit* due jobs in a transaction that lasts the block: ``(id,
-        name, payload, tenant, key, attempts, traceparent)`` each, and the transaction for
-        :meth:`forget_jobs` and :meth:`fail_jobs`. Commits when the block ends, rolls
-        back if it raises.
+        name, payload, tenant, key, attempts, traceparent, ordered)`` each, and the
+        transaction for :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`.
+        Commits when the block ends, rolls back if it raises.
 
         Its statements are never prepared: a lost prepared statement would abort a
         transaction whose jobs were handed over already.
@@ -176,12 +178,26 @@ class Batches:
         store = self.store
         pinned = store.pin()
         try:
-            rows = store.fetch(self._due_jobs, {"limit": limit}, pinned, prepare=False).rows
+            params = {"limit": limit}
+            rows = store.fetch(self._due_jobs, params, pinned, prepare=False).rows
             yield rows, pinned
         except BaseException:
             store.unpin(pinned, commit=False)
             raise
         store.unpin(pinned, commit=True)
+
+    def next_jobs(
+        self, limit: int, handed_over: list[tuple[str, str]], pinned: PinnedConnection
+    ) -> list[tuple[Any, ...]]:
+        """The batch's next round: the due successors (up to *limit*) of the ordered
+        jobs of the keys *handed_over* (``(tenant, key)`` each), locked in the batch's
+        transaction; as :meth:`due_jobs` rows."""
+        params = {
+            "limit": limit,
+            "tenants": [tenant for tenant, _ in handed_over],
+            "keys": [key for _, key in handed_over],
+        }
+        return self.store.fetch(self._next_jobs, params, pinned, prepare=False).rows
 
     def forget_jobs(self, ids: list[str], pinned: PinnedConnection) -> None:
         """Delete the jobs *ids* (handed over) in the batch's transaction."""

@@ -97,7 +97,8 @@ SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclas
        ARRAY(SELECT attname::text FROM pg_attribute
              WHERE attrelid = to_regclass(%(jobs)s) AND attnum > 0 AND NOT attisdropped),
        ARRAY(SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
-             WHERE i.indrelid = to_regclass(%(table)s) AND NOT i.indisvalid),
+             WHERE i.indrelid IN (to_regclass(%(table)s), to_regclass(%(jobs)s))
+               AND NOT i.indisvalid),
        coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
        coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
                  WHERE oid = to_regclass(%(table)s)), false)
@@ -117,7 +118,18 @@ CREATE TABLE IF NOT EXISTS {jobs} (
     dead boolean NOT NULL DEFAULT false,
     last_error text,
     created_at timestamptz NOT NULL DEFAULT now(),
-    traceparent text
+    traceparent text,
+    seq bigint
 );
 CREATE INDEX IF NOT EXISTS {jobs_due_index} ON {jobs} (due_at) WHERE NOT dead;
 """
+
+# Ordered jobs (stage(..., ordered=True)): ``seq`` is the job's place among the ordered
+# jobs of its key (NULL: unordered). The statement that commits a job gives it
+# max(seq) + its position among that statement's jobs; that statement holds the key's
+# row lock, so a key's ordered jobs get their places in the order they commit. No
+# sequence object: the app's role needs no privilege beyond DML on the table.
+# The index answers both "the key's last place" and "is an earlier one left?" (the
+# dispatcher's hold-back) with one probe. A column without default is a catalog change.
+JOBS_SEQ_COLUMN = "ALTER TABLE {jobs} ADD COLUMN IF NOT EXISTS seq bigint"
+JOBS_ORDER_INDEX = "{jobs} (tenant, key, seq) WHERE seq IS NOT NULL"

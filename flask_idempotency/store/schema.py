@@ -27,7 +27,9 @@ from .ddl import (
     CREATE_INDEX_CONCURRENTLY,
     DROP_INDEX_CONCURRENTLY,
     INDEXES,
+    JOBS_ORDER_INDEX,
     JOBS_SCHEMA,
+    JOBS_SEQ_COLUMN,
     LOCK_TIMEOUT,
     SCHEMA_STATE,
     SET_STORAGE,
@@ -96,6 +98,9 @@ class Schema:
         #: the staged jobs' table (README "Work that outlives the request"), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
         self._jobs_index = f"{jobs_parts[-1]}_due_idx"
+        #: the index of ordered jobs (stage(..., ordered=True)) by key and place
+        self._jobs_order_index = f"{jobs_parts[-1]}_order_idx"
+        self._jobs_schema = jobs_parts[0] if len(jobs_parts) == 2 else None
         jobs_prefix = _quoted(jobs_parts[0]) + "." if len(jobs_parts) == 2 else ""
         audit_parts, heartbeats_parts = audit_table.split("."), heartbeats_table.split(".")
         #: the audit trail and the heartbeats of the background commands
@@ -108,6 +113,7 @@ class Schema:
             "table": ".".join(map(_quoted, parts)),
             "jobs": ".".join(map(_quoted, jobs_parts)),
             "jobs_index": jobs_prefix + _quoted(self._jobs_index),
+            "jobs_order_index": jobs_prefix + _quoted(self._jobs_order_index),
             "audit": ".".join(map(_quoted, audit_parts)),
             "audit_index": audit_prefix + _quoted(self._audit_index),
             "heartbeats": ".".join(map(_quoted, heartbeats_parts)),
@@ -122,6 +128,7 @@ class Schema:
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
             Step("jobs columns", self._lacks_job_columns, self._add_job_columns),
+            Step("ordered jobs", self._lacks_job_order, self._add_job_order),
             Step("audit and heartbeats tables", self._lacks_console, self._create_console),
             Step("autovacuum settings", self._lacks_storage, self._set_storage),
             *(
@@ -191,6 +198,7 @@ class Schema:
             for index, definition in self.indexes.items():
                 conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
         self._create_jobs(conn)
+        self._add_job_order(conn)
         self._create_console(conn)
         logger.info("created table %s and its indexes", self.name)
 
@@ -280,6 +288,21 @@ class Schema:
             for column, definition in UPGRADE_JOB_COLUMNS
         ]
         self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.jobs) + sql.SQL(", ").join(parts))
+
+    def _lacks_job_order(self, state: SchemaState) -> bool:
+        index = self._jobs_order_index
+        return self._regclass["jobs_order_index"] in state.missing or index in state.invalid
+
+    def _add_job_order(self, conn: psycopg.Connection[Any]) -> None:
+        """The ``seq`` column (a catalog change, under a short lock timeout) and its
+        index, built concurrently (a failed build's invalid index dropped first)."""
+        self._alter(conn, sql.SQL(JOBS_SEQ_COLUMN).format(jobs=self.jobs))
+        index = sql.Identifier(self._jobs_order_index)
+        schema = self._jobs_schema
+        qualified = sql.Identifier(schema, self._jobs_order_index) if schema else index
+        conn.execute(sql.SQL(DROP_INDEX_CONCURRENTLY).format(name=qualified), prepare=False)
+        create = sql.SQL(CREATE_INDEX_CONCURRENTLY).format(name=index)
+        conn.execute(create + sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs), prepare=False)
 
     def _lacks_console(self, state: SchemaState) -> bool:
         names = ("audit", "audit_index", "heartbeats")

@@ -131,14 +131,39 @@ LIMIT %(limit)s
 
 # -- staged jobs (the outbox) ----------------------------------------------------------------
 
-# One batch for a dispatcher: held by its row locks for as long as its transaction
-# lives, so a dispatcher that dies hands its batch back at once.
+# One round of a dispatcher's batch: held by its row locks for as long as its
+# transaction lives, so a dispatcher that dies hands its batch back at once. An ordered
+# job is due only while no earlier ordered job of its key is left (failing, dead, or
+# held by another dispatcher: its row is still there), one probe of the order index.
+# Successors of the jobs a batch hands over come in its next rounds (NEXT_JOBS).
 DUE_JOBS = """
-SELECT id::text, name, payload, tenant, key, attempts, traceparent FROM {jobs}
+SELECT id::text, name, payload, tenant, key, attempts, traceparent, seq IS NOT NULL
+FROM {jobs} AS j
 WHERE NOT dead AND due_at <= now()
+  AND (seq IS NULL OR NOT EXISTS (
+      SELECT FROM {jobs} AS earlier
+      WHERE earlier.tenant = j.tenant AND earlier.key = j.key AND earlier.seq < j.seq))
 ORDER BY due_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
+"""
+
+# The batch's next round: the successor of each ordered job it just handed over (the
+# key's first ordered job left, in the batch's own view), if it is due and not dead.
+# Other dispatchers still see the handed-over job, so none of them takes it.
+NEXT_JOBS = """
+SELECT next.id::text, next.name, next.payload, next.tenant, next.key, next.attempts,
+       next.traceparent, true
+FROM unnest(%(tenants)s::text[], %(keys)s::text[]) AS done (tenant, key)
+CROSS JOIN LATERAL (
+    SELECT * FROM {jobs} AS j
+    WHERE j.tenant = done.tenant AND j.key = done.key AND j.seq IS NOT NULL
+    ORDER BY j.seq
+    LIMIT 1
+    FOR UPDATE
+) AS next
+WHERE NOT next.dead AND next.due_at <= now()
+LIMIT %(limit)s
 """
 
 DELETE_JOBS = "DELETE FROM {jobs} WHERE id = ANY(%(ids)s::uuid[])"

@@ -123,13 +123,20 @@ ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS c
 # Appended to a fenced UPDATE named ``ended`` (the finish, or a phase's advance): the
 # jobs are inserted only if that UPDATE changed the key, in the same statement, so a
 # fenced or rolled-back attempt stages nothing and staging adds no round trip.
+# An ordered job's place (seq) comes after every ordered job of its key still in the
+# table, in the order of the stage() calls. Only the attempt that owns the key inserts
+# jobs, one statement after another, each holding the key's row lock until it commits:
+# so a key's ordered jobs are numbered in the order they commit (store/ddl.py).
 STAGE_JOBS = """
 , staged AS (
-    INSERT INTO {jobs} (id, tenant, key, name, payload, traceparent)
-    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload, job.traceparent
+    INSERT INTO {jobs} (id, tenant, key, name, payload, traceparent, seq)
+    SELECT job.id, %(tenant)s, %(key)s, job.name, job.payload, job.traceparent,
+           CASE WHEN job.ordered THEN last.seq + job.n END
     FROM unnest(%(job_ids)s::uuid[], %(job_names)s::text[], %(job_payloads)s::text[],
-                %(job_traceparents)s::text[])
-         AS job (id, name, payload, traceparent)
+                %(job_traceparents)s::text[], %(job_ordered)s::boolean[])
+             WITH ORDINALITY AS job (id, name, payload, traceparent, ordered, n),
+         (SELECT coalesce(max(seq), 0) AS seq FROM {jobs}
+          WHERE tenant = %(tenant)s AND key = %(key)s AND seq IS NOT NULL) AS last
     WHERE EXISTS (SELECT FROM ended)
 )
 SELECT * FROM ended
