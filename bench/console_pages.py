@@ -32,14 +32,15 @@ from flask_idempotency.store.operations import Operations  # noqa: E402
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
     locked_until, response_status, response_headers, response_body, created_at, updated_at,
-    expires_at, reconcile_attempts)
+    expires_at, reconcile_attempts, reconcile_due_at)
 SELECT 'tenant-' || (i %% 100), 'bulk-' || i, '\\x00'::bytea, s.status, 1, i,
        CASE WHEN s.status = 'processing' THEN t + interval '1 minute' END,
        CASE WHEN s.status = 'completed' THEN 201 END,
        CASE WHEN s.status = 'completed'
             THEN '[["Content-Type", "application/json"]]'::jsonb END,
        CASE WHEN s.status = 'completed' THEN convert_to('{"amount":1000}', 'UTF8') END,
-       t, t, t + interval '1 day', CASE WHEN i %% 2000 = 0 THEN 10 ELSE 0 END
+       t, t, t + interval '1 day', CASE WHEN i %% 2000 = 0 THEN 10 ELSE 0 END,
+       CASE WHEN s.status = 'unknown' THEN t END
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i,
      LATERAL (SELECT now() - interval '1 day' * (1 - i::float8 / %(n)s)) AS at (t),
      LATERAL (SELECT CASE WHEN i %% 1000 = 0 THEN 'unknown'

@@ -44,7 +44,8 @@ WITH seen AS (
          request, request_body)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
-           now() + make_interval(secs => %(lease)s), now() + make_interval(secs => %(ttl)s),
+           now() + make_interval(secs => %(lease)s),
+           now() + make_interval(secs => %(lease)s + %(ttl)s),
            %(request)s, %(request_body)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
@@ -71,7 +72,7 @@ WITH seen AS (
     RETURNING k.attempt, k.generation, k.recovery_point
 ), marked AS (
     UPDATE {table} AS k
-    SET status = 'unknown', locked_until = NULL, updated_at = now()
+    SET status = 'unknown', locked_until = NULL, updated_at = now(), reconcile_due_at = now()
     FROM lock, seen
     WHERE lock.granted AND (SELECT decision FROM intent) = 'marked_unknown'
       AND k.tenant = %(tenant)s AND k.key = %(key)s AND k.status = 'processing'
@@ -90,15 +91,25 @@ LEFT JOIN seen ON true
 # The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
 # whose key was taken over, or used afresh after expiry, changes nothing. A completed
 # key no longer needs its stored request (complete=True): it is dropped at once.
+#
+# The common end (a completed key of a route without complete=True) changes no indexed
+# column, so it is a HOT update (ddl.INDEXES): a completed key keeps its claim's
+# locked_until (read only while processing), and expires_at, set by the claim a lease
+# beyond the TTL, moves only when the attempt outlived its lease (the key is always
+# kept at least the TTL after its finish). An unknown key becomes due for the
+# reconciler (reconcile_due_at set: unknown_due_idx finds it).
 FINISH = """
 UPDATE {table}
-SET status = %(status)s, locked_until = NULL, updated_at = now(),
-    expires_at = now() + make_interval(secs => %(ttl)s),
+SET status = %(status)s,
+    locked_until = CASE WHEN %(status)s::text = 'completed' THEN locked_until END,
+    updated_at = now(),
+    expires_at = greatest(expires_at, now() + make_interval(secs => %(ttl)s)),
     response_status = %(response_status)s,
     response_headers = %(response_headers)s,
     response_body = %(response_body)s,
     request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
-    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
+    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
