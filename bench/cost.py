@@ -6,7 +6,8 @@ they are the figures to compare two versions of the library with on a busy machi
 
     python -m bench.cost [--url DATABASE_URL] [--rounds 5] [--requests 1000] [VARIANT ...]
 
-VARIANT is ``plain``, ``new``, ``replay`` or ``handrolled`` (default: all four). Without
+VARIANT is ``plain``, ``new``, ``replay``, ``handrolled``, or the order view's ``order``,
+``order-tx`` (transactional=True) and ``order-hand`` (default: all). Without
 ``--url`` it starts a throwaway durable PostgreSQL (as bench/run does) and stops it at
 the end. Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
 warm-up requests, then *rounds* of *requests*; it prints the minimum over the rounds of
@@ -36,8 +37,17 @@ PATHS = {
     "new": "/idempotent",
     "replay": "/idempotent",
     "handrolled": "/handrolled",
+    "order": "/order-plain",
+    "order-tx": "/order-transactional",
+    "order-hand": "/order-handrolled",
 }
-TABLES = {"new": "idempotency_keys", "replay": "idempotency_keys", "handrolled": "handrolled_keys"}
+TABLES = {
+    "new": "idempotency_keys",
+    "replay": "idempotency_keys",
+    "handrolled": "handrolled_keys",
+    "order-tx": "idempotency_keys",
+    "order-hand": "handrolled_keys",
+}
 
 
 def postgres_cpu(postmaster: int | None) -> float:

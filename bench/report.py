@@ -12,13 +12,16 @@ Write = Callable[[str], None]
 
 #: (label, numerator, denominator, what it compares, target or None)
 RATIOS = [
-    ("b/a", "b", "a", "new key vs plain", 0.40),
+    ("b/a", "b", "a", "new key vs plain", 0.30),
     ("c/a", "c", "a", "replay vs plain", 0.75),
-    ("b/f", "b", "f", "new key vs hand-rolled", 1.30),
+    ("b/f", "b", "f", "new key vs hand-rolled", 1.20),
     ("b/e", "b", "e", "new key vs the database's ceiling", None),
     ("d/a", "d", "a", "10 % duplicates vs plain", None),
     ("b/g", "b", "g", "new key vs Powertools + Redis", 1.00),
-    ("c/gr", "c", "gr", "replay vs Powertools + Redis", None),
+    ("c/gr", "c", "gr", "replay vs Powertools + Redis", 1.20),
+    ("ot/o", "ot", "o", "order view: transactional=True vs plain with its write", 0.70),
+    ("oh/o", "oh", "o", "order view: hand-rolled vs plain with its write", None),
+    ("ot/oh", "ot", "oh", "order view: transactional=True vs hand-rolled", None),
 ]
 
 

@@ -110,7 +110,8 @@ def test_the_app_needs_only_dml_on_the_table(
     # the role goes on without trying (and failing) to.
     db.execute(
         sql.SQL(
-            "ALTER TABLE {} RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold)"
+            "ALTER TABLE {} RESET"
+            " (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold, fillfactor)"
         ).format(table)
     )
 

@@ -67,8 +67,8 @@ UPGRADE_COLUMNS = (
 #: None of them covers a column the common finish (``processing`` -> ``completed``)
 #: changes, nor ``status``, so that finish is a HOT update: PostgreSQL writes no index
 #: entry and keeps the new row version on its page (docs/performance.md, issue 24).
-#: The finish leaves ``locked_until``, ``expires_at`` (the claim sets it a lease beyond
-#: the TTL) and ``reconcile_due_at`` alone; rare states are found by columns only rare
+#: The finish leaves ``locked_until``, ``expires_at`` (the claim sets it 2 s beyond the
+#: TTL) and ``reconcile_due_at`` alone; rare states are found by columns only rare
 #: transitions change.
 INDEXES = {
     # the cleaner's expired keys, every status (a processing row past its expiry is an

@@ -50,7 +50,7 @@ LIMIT %(limit)s
 TAKE_OVER = """
 UPDATE {table}
 SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
-    updated_at = now(), expires_at = now() + %(lease)s + %(ttl)s,
+    updated_at = now(), expires_at = now() + %(ttl)s + interval '2 seconds',
     response_status = NULL, response_headers = NULL, response_body = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
   AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)

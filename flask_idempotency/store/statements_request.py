@@ -11,12 +11,18 @@ from __future__ import annotations
 # The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
 # (a float): cheaper to send than an interval.
 
+# The claim sets a key's expiry this many seconds beyond its TTL, so that the finish of
+# an attempt shorter than that keeps it (the key lives at least the TTL after its finish)
+# and changes no indexed column: a HOT update (see FINISH).
+FINISH_GRACE_SECONDS = 2
+
 # Reads the row with the statement's snapshot and decides; only when the request
 # must run the view does it take the advisory lock and write. The write is fenced
 # by what was read (attempt, generation, status): a row that changed, or appeared,
 # after the snapshot makes the write a no-op and the request a 409, never a second
 # owner. A zero-row INSERT takes no transaction id, so a replay writes no WAL.
-CLAIM = """
+CLAIM = (
+    """
 WITH seen AS (
     SELECT status, fingerprint, attempt, generation, recovery_point,
            locked_until <= now() AS lease_over,
@@ -45,7 +51,9 @@ WITH seen AS (
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
            now() + make_interval(secs => %(lease)s),
-           now() + make_interval(secs => %(lease)s + %(ttl)s),
+           now() + make_interval(secs => %(ttl)s + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
            %(request)s, %(request_body)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
@@ -87,6 +95,7 @@ FROM intent
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
 """
+)
 
 # The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
 # whose key was taken over, or used afresh after expiry, changes nothing. A completed
@@ -94,9 +103,9 @@ LEFT JOIN seen ON true
 #
 # The common end (a completed key of a route without complete=True) changes no indexed
 # column, so it is a HOT update (ddl.INDEXES): a completed key keeps its claim's
-# locked_until (read only while processing), and expires_at, set by the claim a lease
-# beyond the TTL, moves only when the attempt outlived its lease (the key is always
-# kept at least the TTL after its finish). An unknown key becomes due for the
+# locked_until (read only while processing), and expires_at, set by the claim
+# FINISH_GRACE_SECONDS beyond the TTL, moves only for an attempt that took longer (the
+# key is always kept at least the TTL after its finish). An unknown key becomes due for the
 # reconciler (reconcile_due_at set: unknown_due_idx finds it).
 FINISH = """
 UPDATE {table}
