@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pgserver import PostgresServer  # noqa: E402
 
 from flask_idempotency import Idempotency  # noqa: E402
+from flask_idempotency.state import get_state  # noqa: E402
 from flask_idempotency.store.operations import Operations  # noqa: E402
 
 LOAD = """
@@ -129,6 +131,32 @@ def time_pages(app: Flask, url: str, pages: dict[str, str], runs: int) -> dict[s
     return results
 
 
+def time_sweeps(app: Flask, url: str, runs: int) -> None:
+    """The background's lookups on the same table: the stuck-keys gauge (every scrape),
+    the cleaner's counts (``idempotency-clean --dry-run``) and the completer's due keys."""
+    with app.app_context():
+        state = get_state()
+        maintenance = state.maintenance
+        sweeps = {
+            "stuck keys (scrape)": lambda: maintenance.count_stuck(10),
+            "abandoned claims": lambda: maintenance.count_abandoned(timedelta(seconds=60)),
+            "expired keys": maintenance.count_expired,
+            "backlog (scrape)": maintenance.count_backlog,
+        }
+        for name, sweep in sweeps.items():
+            scans_before = seq_read(url)
+            times = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                value = sweep()
+                times.append((time.perf_counter() - started) * 1000)
+            state.store.close()
+            wait_for_exits(url)
+            scans = [a - b for a, b in zip(seq_read(url), scans_before, strict=True)]
+            log(f"{name:<24} median {statistics.median(times):7.1f} ms,"
+                f" max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans a run; {value}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
@@ -174,6 +202,7 @@ def main() -> None:
                 f" pages: {after[0] - before[0]}, reading {after[1] - before[1]:,} rows in all"
                 f" (the table has {args.rows:,})"
             )
+            time_sweeps(app, server.url, args.runs)
             app.extensions["idempotency"].store.close()
         finally:
             server.stop()

@@ -191,8 +191,11 @@ WHERE status IN ('completed', 'retryable') AND expires_at <= now()
 # Claims whose lease ended more than margin ago. A finished key keeps its claim's
 # lease (the finish is a HOT update: no index knows a processing row from a finished
 # one), so the sweep looks at the claims of the last ABANDONED_HORIZON (created_idx),
-# and at any claim past its expiry (expiry_idx), which is one abandoned long ago.
-ABANDONED_HORIZON = "10 minutes"
+# and at any claim past its expiry (expiry_idx), which is one abandoned long ago. An
+# hour: longer than the lease plus the 15 minutes of the IdempotencyAbandonedKeys alert
+# (contrib/), so the stuck-keys gauge still shows a claim abandoned for that long; the
+# price is a look at each of the last hour's claims per sweep or scrape.
+ABANDONED_HORIZON = "1 hour"
 ABANDONED = (
     "(created_at > now() - interval '" + ABANDONED_HORIZON + "' OR expires_at <= now())"
     " AND status = 'processing' AND locked_until <= now() - %(margin)s"
