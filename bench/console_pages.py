@@ -153,8 +153,10 @@ def time_sweeps(app: Flask, url: str, runs: int) -> None:
             state.store.close()
             wait_for_exits(url)
             scans = [a - b for a, b in zip(seq_read(url), scans_before, strict=True)]
-            log(f"{name:<24} median {statistics.median(times):7.1f} ms,"
-                f" max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans a run; {value}")  # fmt: skip
+            log(
+                f"{name:<24} median {statistics.median(times):7.1f} ms,"
+                f" max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans a run; {value}"
+            )
 
 
 def main() -> None:
