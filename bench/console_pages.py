@@ -170,8 +170,7 @@ def main() -> None:
         server.start()
         try:
             app = make_app(server.url)
-            with app.app_context(), app.extensions["idempotency"].store.connection():
-                pass  # the tables and their indexes
+            app.extensions["idempotency"].store.create_schema()  # the tables and indexes
             load(server.url, args.rows, args.chunk)
             page = app.test_client().get("/idempotency/console/keys").get_data(as_text=True)
             next_link = page.split('rel="next" href="')[1].split('"')[0].replace("&amp;", "&")
