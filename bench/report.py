@@ -357,7 +357,7 @@ def hot_share(counters: dict[str, Any]) -> str:
 
 def targets(results: dict[str, Any], w: Write) -> None:
     """The performance targets in one table: measured, target, met or not."""
-    s, ratio = results["summary"], results.get("ratios", {})
+    ratio = results.get("ratios", {})
     counted_b = results.get("counted", {}).get("b", {})
     counted_c = results.get("counted", {}).get("c", {})
     rows: list[tuple[str, str, str, bool | None]] = []
