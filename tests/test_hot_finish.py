@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
+import schema_before_issue_24
 from flask import Flask
 from helpers import DB, post, wait_until
 from psycopg import sql
@@ -77,6 +78,46 @@ def test_finishes_are_hot_on_a_table_upgraded_from_the_previous_release(
     ).fetchall()
     assert len(defined) == len(INDEXES)
     assert not any("status" in d[0] or "locked_until" in d[0] for d in defined)
+
+
+def test_init_upgrades_the_previous_releases_table_and_its_finishes_become_hot(
+    make_app: Callable[..., Flask], db: DB
+) -> None:
+    table = f"prev_{uuid.uuid4().hex[:8]}"
+    names = {
+        name: sql.Identifier(f"{table}_{name}")
+        for name in ("expires_idx", "lease_idx", "unknown_idx", "complete_idx", "created_idx")
+    }
+    db.execute(sql.SQL(schema_before_issue_24.KEYS).format(table=sql.Identifier(table), **names))
+    db.execute(
+        sql.SQL(schema_before_issue_24.ROWS).format(
+            table=sql.Identifier(table), rows=sql.Literal(20_000)
+        )
+    )
+    app = app_on(make_app, table, IDEMPOTENCY_CREATE_TABLE=False)
+    result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert result.exit_code == 0, result.output
+    for step in ("index " + table + "_expiry_idx", "unknown keys due", "drop index"):
+        assert step in result.output, result.output
+    indexes = {
+        row[0]
+        for row in db.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = %s", (table,)
+        ).fetchall()
+    }
+    assert indexes == {f"{table}_pkey", *(f"{table}_{suffix}" for suffix in INDEXES)}
+    marked = db.execute(
+        sql.SQL(
+            "SELECT count(*) FILTER (WHERE reconcile_due_at IS NOT NULL), count(*)"
+            " FROM {} WHERE status = 'unknown'"
+        ).format(sql.Identifier(table))
+    ).fetchone()
+    assert marked == (5_000, 5_000)
+    before = wait_until(lambda: (u := updates(db, table))[0] >= 5_000 and u, 20)
+    new_keys(app, 200)
+    assert hot_share_of_finishes(db, table, before, 200) >= 0.9
+    again = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert again.exit_code == 0 and "already exists" in again.output, again.output
 
 
 def test_a_completed_key_shows_no_lease(make_app: Callable[..., Flask], db: DB) -> None:
