@@ -249,7 +249,9 @@ def counted(results: dict[str, Any], w: Write) -> None:
     w("  (every statement is its own transaction, so commits = statements; xids: the")
     w("  transactions that wrote; WAL flushes: fsyncs by client backends, pg_stat_io;")
     w("  WAL bytes: written by the statements themselves, pg_stat_statements)")
-    for name in ("b", "c"):
+    for name in ("b", "c", "ot"):
+        if name not in results["counted"]:
+            continue
         c = results["counted"][name]
         w(f"  statements of '{c['label']}' (calls per request, mean execution time):")
         for st in c["statement_calls"]:
