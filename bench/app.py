@@ -7,6 +7,10 @@
   (variant f): on one pooled connection, ``pg_advisory_lock``, ``SELECT`` the row,
   ``INSERT`` a ``processing`` row, ``pg_advisory_unlock``, run the view, then ``UPDATE``
   the row with the response, each its own statement;
+* ``POST /order-plain``, ``/order-transactional``, ``/order-handrolled``: a realistic view
+  that inserts an order row (variants o, ot, oh): alone on the pool's connection, under
+  ``@idempotency.idempotent(transactional=True)`` on the claim's connection (the row, the
+  claim and the finish in one commit), and under the hand-rolled protection;
 * ``POST /powertools``: the view under a peer library (variants g and gr, see
   bench/peers.py), when ``BENCH_REDIS_URL`` names the benchmark's redis-server.
 
@@ -30,7 +34,7 @@ from psycopg_pool import ConnectionPool
 
 import flask_idempotency
 from bench import peers
-from flask_idempotency import Idempotency
+from flask_idempotency import Idempotency, current_idempotency
 
 HANDROLLED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS handrolled_keys (
@@ -39,8 +43,15 @@ CREATE TABLE IF NOT EXISTS handrolled_keys (
     response_status smallint,
     response_body bytea,
     created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS bench_orders (
+    id uuid PRIMARY KEY,
+    amount integer,
+    created_at timestamptz NOT NULL DEFAULT now()
 )
 """
+#: the realistic view's own write (variants o, ot, oh)
+INSERT_ORDER = "INSERT INTO bench_orders (id, amount) VALUES (%s, %s)"
 
 
 class ExecutionLog:
@@ -141,8 +152,31 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
     def idempotent() -> tuple[dict[str, Any], int]:
         return work("idempotent")
 
+    def order(route: str, conn: Any) -> tuple[dict[str, Any], int]:
+        """The realistic view: the same work, plus an order row written on *conn*."""
+        payload, code = work(route)
+        conn.execute(INSERT_ORDER, (payload["id"], payload["amount"]))
+        return payload, code
+
+    @app.post("/order-plain")
+    def order_plain() -> tuple[dict[str, Any], int]:
+        with handrolled_pool().connection() as conn:
+            return order("order-plain", conn)
+
+    @app.post("/order-transactional")
+    @idempotency.idempotent(transactional=True)
+    def order_transactional() -> tuple[dict[str, Any], int]:
+        return order("order-transactional", current_idempotency.connection)
+
+    @app.post("/order-handrolled")
+    def order_handrolled() -> Response | tuple[dict[str, Any], int]:
+        return handrolled_flow("order-handrolled", with_order=True)
+
     @app.post("/handrolled")
     def handrolled() -> Response | tuple[dict[str, Any], int]:
+        return handrolled_flow("handrolled", with_order=False)
+
+    def handrolled_flow(route: str, with_order: bool) -> Response | tuple[dict[str, Any], int]:
         key = request.headers.get("Idempotency-Key")
         if not key:
             return {"error": "Idempotency-Key required"}, 400
@@ -171,7 +205,7 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
                         headers={"Idempotent-Replayed": "true"},
                     )
                 return {"error": "request in progress"}, 409
-            payload, code = work("handrolled")
+            payload, code = order(route, conn) if with_order else work(route)
             response = app.json.response(payload)
             response.status_code = code
             conn.execute(

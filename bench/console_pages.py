@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pgserver import PostgresServer  # noqa: E402
 
 from flask_idempotency import Idempotency  # noqa: E402
+from flask_idempotency.state import get_state  # noqa: E402
 from flask_idempotency.store.operations import Operations  # noqa: E402
 
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
     locked_until, response_status, response_headers, response_body, created_at, updated_at,
-    expires_at, reconcile_attempts)
+    expires_at, reconcile_attempts, reconcile_due_at)
 SELECT 'tenant-' || (i %% 100), 'bulk-' || i, '\\x00'::bytea, s.status, 1, i,
        CASE WHEN s.status = 'processing' THEN t + interval '1 minute' END,
        CASE WHEN s.status = 'completed' THEN 201 END,
        CASE WHEN s.status = 'completed'
             THEN '[["Content-Type", "application/json"]]'::jsonb END,
        CASE WHEN s.status = 'completed' THEN convert_to('{"amount":1000}', 'UTF8') END,
-       t, t, t + interval '1 day', CASE WHEN i %% 2000 = 0 THEN 10 ELSE 0 END
+       t, t, t + interval '1 day', CASE WHEN i %% 2000 = 0 THEN 10 ELSE 0 END,
+       CASE WHEN s.status = 'unknown' THEN t END
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i,
      LATERAL (SELECT now() - interval '1 day' * (1 - i::float8 / %(n)s)) AS at (t),
      LATERAL (SELECT CASE WHEN i %% 1000 = 0 THEN 'unknown'
@@ -128,6 +131,34 @@ def time_pages(app: Flask, url: str, pages: dict[str, str], runs: int) -> dict[s
     return results
 
 
+def time_sweeps(app: Flask, url: str, runs: int) -> None:
+    """The background's lookups on the same table: the stuck-keys gauge (every scrape),
+    the cleaner's counts (``idempotency-clean --dry-run``) and the completer's due keys."""
+    with app.app_context():
+        state = get_state()
+        maintenance = state.maintenance
+        sweeps = {
+            "stuck keys (scrape)": lambda: maintenance.count_stuck(10),
+            "abandoned claims": lambda: maintenance.count_abandoned(timedelta(seconds=60)),
+            "expired keys": maintenance.count_expired,
+            "backlog (scrape)": maintenance.count_backlog,
+        }
+        for name, sweep in sweeps.items():
+            scans_before = seq_read(url)
+            times = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                value = sweep()
+                times.append((time.perf_counter() - started) * 1000)
+            state.store.close()
+            wait_for_exits(url)
+            scans = [a - b for a, b in zip(seq_read(url), scans_before, strict=True)]
+            log(
+                f"{name:<24} median {statistics.median(times):7.1f} ms,"
+                f" max {max(times):7.1f} ms; {scans[0] / runs:.0f} seq scans a run; {value}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
@@ -139,8 +170,7 @@ def main() -> None:
         server.start()
         try:
             app = make_app(server.url)
-            with app.app_context(), app.extensions["idempotency"].store.connection():
-                pass  # the tables and their indexes
+            app.extensions["idempotency"].store.create_schema()  # the tables and indexes
             load(server.url, args.rows, args.chunk)
             page = app.test_client().get("/idempotency/console/keys").get_data(as_text=True)
             next_link = page.split('rel="next" href="')[1].split('"')[0].replace("&amp;", "&")
@@ -173,6 +203,7 @@ def main() -> None:
                 f" pages: {after[0] - before[0]}, reading {after[1] - before[1]:,} rows in all"
                 f" (the table has {args.rows:,})"
             )
+            time_sweeps(app, server.url, args.runs)
             app.extensions["idempotency"].store.close()
         finally:
             server.stop()

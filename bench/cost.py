@@ -6,7 +6,8 @@ they are the figures to compare two versions of the library with on a busy machi
 
     python -m bench.cost [--url DATABASE_URL] [--rounds 5] [--requests 1000] [VARIANT ...]
 
-VARIANT is ``plain``, ``new``, ``replay`` or ``handrolled`` (default: all four). Without
+VARIANT is ``plain``, ``new``, ``replay``, ``handrolled``, or the order view's ``order``,
+``order-tx`` (transactional=True) and ``order-hand`` (default: all). Without
 ``--url`` it starts a throwaway durable PostgreSQL (as bench/run does) and stops it at
 the end. Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
 warm-up requests, then *rounds* of *requests*; it prints the minimum over the rounds of
@@ -36,8 +37,17 @@ PATHS = {
     "new": "/idempotent",
     "replay": "/idempotent",
     "handrolled": "/handrolled",
+    "order": "/order-plain",
+    "order-tx": "/order-transactional",
+    "order-hand": "/order-handrolled",
 }
-TABLES = {"new": "idempotency_keys", "replay": "idempotency_keys", "handrolled": "handrolled_keys"}
+TABLES = {
+    "new": "idempotency_keys",
+    "replay": "idempotency_keys",
+    "handrolled": "handrolled_keys",
+    "order-tx": "idempotency_keys",
+    "order-hand": "handrolled_keys",
+}
 
 
 def postgres_cpu(postmaster: int | None) -> float:
@@ -53,13 +63,19 @@ def counters(conn: psycopg.Connection[Any], table: str) -> dict[str, float]:
         SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0'),
                (SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal'),
                coalesce((SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = %(t)s), 0),
-               coalesce((SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = %(t)s), 0)
+               coalesce((SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = %(t)s), 0),
+               (SELECT coalesce(sum(total_exec_time), 0) * 1000 FROM pg_stat_statements
+                WHERE query NOT LIKE '%%pg_stat%%' AND query NOT LIKE '%%pg_wal%%')
         """,
         {"t": table},
     ).fetchone()
     assert row is not None
     return dict(
-        zip(("wal_bytes", "wal_flushes", "updates", "hot_updates"), map(float, row), strict=True)
+        zip(
+            ("wal_bytes", "wal_flushes", "updates", "hot_updates", "server_us"),
+            map(float, row),
+            strict=True,
+        )
     )
 
 
@@ -127,7 +143,7 @@ def measure(
     cpu = ("app_us", "db_us", "wall_us")
     summary: dict[str, Any] = {k: min(r[k] for r in results) for k in cpu}
     summary["total_us"] = min(r["app_us"] + r["db_us"] for r in results)
-    for k in ("wal_bytes", "wal_flushes", "updates", "hot_updates"):
+    for k in ("wal_bytes", "wal_flushes", "updates", "hot_updates", "server_us"):
         summary[k] = statistics.median(r[k] for r in results)
     summary["hot_ratio"] = (
         summary["hot_updates"] / summary["updates"] if summary["updates"] else None
@@ -161,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(HANDROLLED_SCHEMA)
+                conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             out = {}
             for variant in variants:
                 out[variant] = measure(url, postmaster, variant, args.rounds, args.requests, tmp)
@@ -172,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{variant:10} app {s['app_us']:6.0f} us  db {s['db_us']:5.0f} us  "
                     f"total {s['total_us']:6.0f} us{above}  wall {s['wall_us']:6.0f} us  "
                     f"WAL {s['wal_bytes']:5.0f} B  flushes {s['wal_flushes']:.2f}  "
-                    f"HOT {hot} of {s['updates']:.2f} updates",
+                    f"HOT {hot} of {s['updates']:.2f} updates  "
+                    f"server {s['server_us']:.0f} us",
                     flush=True,
                 )
             if args.json:

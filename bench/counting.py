@@ -23,6 +23,9 @@ CASES = [
     ("f", "new key, hand-rolled", "/handrolled", None),
     ("f-replay", "replay, hand-rolled", "/handrolled", "/handrolled"),
     ("a", "plain view", "/plain", None),
+    ("o", "order view, plain", "/order-plain", None),
+    ("ot", "order, transactional", "/order-transactional", None),
+    ("oh", "order, hand-rolled", "/order-handrolled", None),
 ]
 PER_REQUEST = (
     "commits",

@@ -108,9 +108,11 @@ def add_key(
 ) -> None:
     db.execute(
         "INSERT INTO console_keys (tenant, key, fingerprint, status, generation, expires_at,"
-        " response_status, response_headers, response_body, reconcile_attempts, locked_until)"
+        " response_status, response_headers, response_body, reconcile_attempts, locked_until,"
+        " reconcile_due_at)"
         " VALUES (%s, %s, '\\x00', %s, 1, now() + interval '1 day', %s, %s, %s, %s,"
-        " CASE WHEN %s = 'processing' THEN now() + interval '1 minute' END)",
+        " CASE WHEN %s = 'processing' THEN now() + interval '1 minute' END,"
+        " CASE WHEN %s = 'unknown' THEN now() END)",
         (
             tenant,
             key,
@@ -119,6 +121,7 @@ def add_key(
             json.dumps([list(h) for h in headers]) if status == "completed" else None,
             body if status == "completed" else None,
             looks,
+            status,
             status,
         ),
     )

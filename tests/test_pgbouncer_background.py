@@ -159,7 +159,10 @@ def test_the_background_batches_through_default_pgbouncer(
         paid = client.post("/pay", json={}, headers={"Idempotency-Key": f"{table}-p{n}"})
         assert paid.status_code == 201
     # Some finished keys become unknown (for the reconciler), others expired (the cleaner).
-    db.execute(f"UPDATE {table} SET status = 'unknown' WHERE key ~ '-p[0-9]*[02468]$'")
+    db.execute(
+        f"UPDATE {table} SET status = 'unknown', reconcile_due_at = now()"
+        f" WHERE key ~ '-p[0-9]*[02468]$'"
+    )
     db.execute(f"UPDATE {table} SET expires_at = now() WHERE key ~ '-p[0-9]*[13579]$'")
 
     def in_threads(app: Flask, batch: Callable[[], int]) -> int:

@@ -110,7 +110,8 @@ def test_the_app_needs_only_dml_on_the_table(
     # the role goes on without trying (and failing) to.
     db.execute(
         sql.SQL(
-            "ALTER TABLE {} RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold)"
+            "ALTER TABLE {} RESET"
+            " (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold, fillfactor)"
         ).format(table)
     )
 
@@ -192,7 +193,12 @@ def test_the_app_needs_only_dml_on_the_table(
     assert beat == [("clean", {"deleted": 1, "marked": 0})]
     resolved = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
     assert resolved.exit_code == 1 and "no key" in resolved.output  # completed: refused
-    db.execute(sql.SQL("UPDATE {} SET status = 'unknown' WHERE key = %s").format(table), (key,))
+    db.execute(
+        sql.SQL("UPDATE {} SET status = 'unknown', reconcile_due_at = now() WHERE key = %s").format(
+            table
+        ),
+        (key,),
+    )
     resolved = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
     assert resolved.exit_code == 0, resolved.output
     assert db.execute(sql.SQL("SELECT action, key FROM {}").format(audit)).fetchall() == [

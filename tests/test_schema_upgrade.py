@@ -18,7 +18,13 @@ from helpers import DB, post, wait_until
 from psycopg import sql
 
 from flask_idempotency.fingerprint import fingerprint
-from flask_idempotency.store.ddl import STORAGE, UPGRADE_COLUMNS, UPGRADE_JOB_COLUMNS
+from flask_idempotency.store.ddl import (
+    INDEXES,
+    RETIRED_INDEXES,
+    STORAGE,
+    UPGRADE_COLUMNS,
+    UPGRADE_JOB_COLUMNS,
+)
 
 ROWS = 50_000
 
@@ -145,8 +151,18 @@ def test_init_upgrades_a_populated_old_table_online(
     )
     assert max(latencies) < 1.0
     assert new_columns <= columns(db, old_table)
-    assert f"{old_table}_complete_idx" in valid_indexes(db, old_table)
+    indexes = valid_indexes(db, old_table)
+    assert {f"{old_table}_{suffix}" for suffix in INDEXES} <= indexes
+    assert not {f"{old_table}_{suffix}" for suffix in RETIRED_INDEXES} & indexes
     assert storage(db, old_table) == STORAGE
+    # The old unknown keys are due for the reconciler: unknown_due_idx finds them.
+    unmarked = db.execute(
+        sql.SQL(
+            "SELECT count(*) FILTER (WHERE reconcile_due_at IS NULL), count(*)"
+            " FROM {} WHERE status = 'unknown'"
+        ).format(sql.Identifier(old_table))
+    ).fetchone()
+    assert unmarked == (0, ROWS // 4)
     defaults = db.execute(
         sql.SQL("SELECT count(*), sum(reconcile_attempts) FROM {} WHERE request IS NULL").format(
             sql.Identifier(old_table)
@@ -186,6 +202,7 @@ def test_a_new_table_has_the_autovacuum_settings(make_app: Callable[..., Flask],
     assert storage(db, table) == {
         "autovacuum_vacuum_scale_factor": "0.02",
         "autovacuum_vacuum_threshold": "1000",
+        "fillfactor": "90",
     }
     db.execute(
         sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
@@ -248,7 +265,7 @@ def test_the_upgrade_gives_way_to_a_long_transaction_instead_of_queueing_claims(
 def test_an_invalid_index_left_by_a_failed_build_is_built_again(
     make_app: Callable[..., Flask], db: DB, old_table: str
 ) -> None:
-    index = f"{old_table}_complete_idx"
+    index = f"{old_table}_pending_idx"
     with pytest.raises(psycopg.errors.UniqueViolation):  # fails: leaves an INVALID index
         db.execute(
             sql.SQL("CREATE UNIQUE INDEX CONCURRENTLY {} ON {} (status)").format(

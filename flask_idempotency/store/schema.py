@@ -31,6 +31,8 @@ from .ddl import (
     JOBS_SCHEMA,
     JOBS_SEQ_COLUMN,
     LOCK_TIMEOUT,
+    MARK_UNKNOWN_DUE,
+    RETIRED_INDEXES,
     SCHEMA_STATE,
     SET_STORAGE,
     STORAGE,
@@ -94,6 +96,8 @@ class Schema:
         prefix = _quoted(parts[0]) + "." if len(parts) == 2 else ""
         #: index name → its definition after ``ON``
         self.indexes = {f"{name}_{suffix}": INDEXES[suffix] for suffix in INDEXES}
+        #: indexes of earlier releases that the upgrade drops (once the new ones exist)
+        self.retired = [f"{name}_{suffix}" for suffix in RETIRED_INDEXES]
         jobs_parts = jobs_table.split(".")
         #: the staged jobs' table (README "Work that outlives the request"), quoted as needed
         self.jobs = sql.Identifier(*jobs_parts)
@@ -117,7 +121,7 @@ class Schema:
             "audit": ".".join(map(_quoted, audit_parts)),
             "audit_index": audit_prefix + _quoted(self._audit_index),
             "heartbeats": ".".join(map(_quoted, heartbeats_parts)),
-            **{index: prefix + _quoted(index) for index in self.indexes},
+            **{index: prefix + _quoted(index) for index in [*self.indexes, *self.retired]},
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
@@ -134,6 +138,12 @@ class Schema:
             *(
                 Step(f"index {index}", self._lacks_index(index), self._index_builder(index))
                 for index in self.indexes
+            ),
+            # before the old unknown_idx goes: it finds the rows to mark
+            Step("unknown keys due", self._has_index(f"{name}_unknown_idx"), self._mark_unknown),
+            *(
+                Step(f"drop index {index}", self._has_index(index), self._index_dropper(index))
+                for index in self.retired
             ),
         ]
 
@@ -320,6 +330,23 @@ class Schema:
 
     def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
         return lambda state: self._regclass[index] in state.missing or index in state.invalid
+
+    def _has_index(self, index: str) -> Callable[[SchemaState], bool]:
+        return lambda state: self._regclass[index] not in state.missing
+
+    def _mark_unknown(self, conn: psycopg.Connection[Any]) -> None:
+        # Unknown keys of an earlier release have no reconcile_due_at (NULL meant "due
+        # now"); unknown_due_idx finds only those with one. One short UPDATE: unknown
+        # keys are few, and the old unknown_idx finds them.
+        with conn.transaction():
+            conn.execute(sql.SQL(MARK_UNKNOWN_DUE).format(table=self.table), prepare=False)
+
+    def _index_dropper(self, index: str) -> Callable[[psycopg.Connection[Any]], None]:
+        def drop(conn: psycopg.Connection[Any]) -> None:
+            # Concurrently: claims and finishes go on while it waits for them.
+            conn.execute(self._index_sql(DROP_INDEX_CONCURRENTLY, index, ""), prepare=False)
+
+        return drop
 
     def _index_builder(self, index: str) -> Callable[[psycopg.Connection[Any]], None]:
         def build(conn: psycopg.Connection[Any]) -> None:

@@ -50,7 +50,7 @@ LIMIT %(limit)s
 TAKE_OVER = """
 UPDATE {table}
 SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
-    updated_at = now(), expires_at = now() + %(ttl)s,
+    updated_at = now(), expires_at = now() + %(ttl)s + interval '2 seconds',
     response_status = NULL, response_headers = NULL, response_body = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
   AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
@@ -71,7 +71,8 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
 # A route with ON_ABANDONED = "unknown": the abandoned claim becomes unknown, as a
 # client retry would make it, and the reconciler takes it from there.
 MARK_UNKNOWN = """
-UPDATE {table} SET status = 'unknown', locked_until = NULL, updated_at = now()
+UPDATE {table}
+SET status = 'unknown', locked_until = NULL, updated_at = now(), reconcile_due_at = now()
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
   AND (attempt, generation) = (%(attempt)s, %(generation)s) AND locked_until = %(reserved)s
 """
@@ -85,7 +86,8 @@ SELECT status, attempt, response_status FROM {table} WHERE tenant = %(tenant)s A
 # A key an asynchronous route deferred to the background: processing, with no lease
 # (a client retry sees it in progress; no lease can run out) and due for the completer
 # at once, whatever --older-than says.
-DEFERRED = "(status = 'processing' AND locked_until IS NULL)"
+# (request IS NOT NULL: asynchronous implies complete, and pending_idx finds them)
+DEFERRED = "(request IS NOT NULL AND status = 'processing' AND locked_until IS NULL)"
 
 # -- reconciliation of unknown keys ---------------------------------------------
 
@@ -96,7 +98,7 @@ DUE_FOR_RECONCILE = """
 WITH due AS (
     SELECT tenant, key FROM {table}
     WHERE status = 'unknown' AND reconcile_attempts < %(max_attempts)s
-      AND coalesce(reconcile_due_at, '-infinity') <= now()
+      AND reconcile_due_at <= now()
     ORDER BY reconcile_due_at NULLS FIRST, updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -124,7 +126,8 @@ RETURNING reconcile_attempts, extract(epoch FROM reconcile_due_at - now())
 LIST_EXHAUSTED = """
 SELECT tenant, key, attempt, reconcile_attempts, reconcile_error, now() - updated_at AS age
 FROM {table}
-WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s
+WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
+  AND reconcile_attempts >= %(max_attempts)s
 ORDER BY updated_at
 LIMIT %(limit)s
 """
@@ -210,19 +213,54 @@ SELECT count(*) FROM {table}
 WHERE status IN ('completed', 'retryable') AND expires_at <= now()
 """
 
-MARK_ABANDONED = """
-WITH stale AS (
-    SELECT tenant, key FROM {table}
-    WHERE status = 'processing' AND locked_until <= now() - %(margin)s
-    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+# Claims whose lease ended more than margin ago. A finished key keeps its claim's
+# lease (the finish is a HOT update: no index knows a processing row from a finished
+# one), so the sweep looks at the claims of the last ABANDONED_HORIZON (created_idx),
+# and at any claim past its expiry (expiry_idx), which is one abandoned long ago: two
+# index range scans (a UNION, so that the planner never prefers a scan of the table).
+# 20 minutes: longer than the default lease plus the 15 minutes of the
+# IdempotencyAbandonedKeys alert (contrib/), so the stuck-keys gauge still shows a claim
+# abandoned for that long; the price is a look at each claim of those 20 minutes per
+# sweep or scrape.
+ABANDONED_HORIZON = "20 minutes"
+_ABANDONED = "status = 'processing' AND locked_until <= now() - %(margin)s"
+ABANDONED_KEYS = (
+    "SELECT tenant, key FROM {table} WHERE created_at > now() - interval '"
+    + ABANDONED_HORIZON
+    + "' AND "
+    + _ABANDONED
+    + " UNION SELECT tenant, key FROM {table} WHERE expires_at <= now() AND "
+    + _ABANDONED
 )
-UPDATE {table} AS k SET status = %(status)s, locked_until = NULL, updated_at = now()
+
+MARK_ABANDONED = (
+    """
+WITH found AS (
+    """
+    + ABANDONED_KEYS
+    + """
+), stale AS (
+    SELECT k.tenant, k.key FROM {table} AS k JOIN found USING (tenant, key)
+    WHERE k.status = 'processing' AND k.locked_until <= now() - %(margin)s
+    LIMIT %(batch)s FOR UPDATE OF k SKIP LOCKED
+)
+UPDATE {table} AS k
+SET status = %(status)s, locked_until = NULL, updated_at = now(),
+    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END
 FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
 """
+)
 
-LIST_KEYS = """
+# locked_until is a lease only while the key is processing (a completed key keeps
+# its claim's, see FINISH)
+LEASE = "CASE WHEN status = 'processing' THEN locked_until END AS locked_until"
+
+LIST_KEYS = (
+    """
 SELECT tenant, key, status, attempt, recovery_point, now() - created_at AS age,
-       locked_until, expires_at, response_status
+       """
+    + LEASE
+    + """, expires_at, response_status
 FROM {table}
 WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
@@ -230,13 +268,18 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
 ORDER BY created_at
 LIMIT %(limit)s
 """
+)
 
-SHOW_KEY = """
+SHOW_KEY = (
+    """
 SELECT tenant, key, status, attempt, recovery_point, encode(fingerprint, 'hex') AS fingerprint,
-       created_at, updated_at, locked_until, expires_at,
+       created_at, updated_at, """
+    + LEASE
+    + """, expires_at,
        response_status, response_headers, response_body
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
+)
 
 # Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler);
 # anything else is the extension's, and a completed key is never overwritten. The
@@ -254,12 +297,17 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
        OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
 """
 
-COUNT_STUCK = """
-SELECT (SELECT count(*) FROM {table} WHERE status = 'processing' AND locked_until <= now()),
-       (SELECT count(*) FROM {table} WHERE status = 'unknown'),
+COUNT_STUCK = (
+    """
+SELECT (SELECT count(*) FROM ("""
+    + ABANDONED_KEYS.replace("%(margin)s", "interval '0'")
+    + """) AS abandoned),
+       (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL),
        (SELECT count(*) FROM {table}
-        WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
+        WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
+          AND reconcile_attempts >= %(max_attempts)s)
 """
+)
 
 # Read at scrape time beside COUNT_STUCK: asynchronous keys waiting for a run
 # ({deferred}, DEFERRED), and the staged jobs by state: due (never tried, or retried by
@@ -271,7 +319,4 @@ SELECT (SELECT count(*) FROM {table} WHERE {deferred}),
        (SELECT count(*) FROM {jobs} WHERE dead)
 """
 
-COUNT_ABANDONED = """
-SELECT count(*) FROM {table}
-WHERE status = 'processing' AND locked_until <= now() - %(margin)s
-"""
+COUNT_ABANDONED = "SELECT count(*) FROM (" + ABANDONED_KEYS + ") AS abandoned"

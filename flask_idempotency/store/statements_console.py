@@ -8,7 +8,7 @@ data-modifying ``WITH``), with the database's clock.
 
 from __future__ import annotations
 
-from .statements_background import RESOLVE_KEY
+from .statements_background import DEFERRED, LEASE, RESOLVE_KEY
 
 # -- the tables ------------------------------------------------------------------------
 
@@ -75,18 +75,19 @@ CAPPED_COUNT = "SELECT count(*) FROM (SELECT 1 FROM {source} LIMIT %(cap)s) AS c
 # without running it.
 ESTIMATE = "EXPLAIN (FORMAT JSON) SELECT 1 FROM {source}"
 
-#: what the overview counts, each as the ``FROM ... WHERE`` of a capped count; the
-#: keys' statuses each use a partial index (expires_idx, lease_idx, unknown_idx)
+#: what the overview counts, each as the ``FROM ... WHERE`` of a capped count; unknown
+#: and exhausted keys use unknown_due_idx, deferred ones pending_idx
 KEY_COUNTS = {
     "total": "{table}",
     "processing": "{table} WHERE status = 'processing'",
     "completed": "{table} WHERE status = 'completed'",
     "retryable": "{table} WHERE status = 'retryable'",
-    "unknown": "{table} WHERE status = 'unknown'",
+    "unknown": "{table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL",
     "exhausted": (
-        "{table} WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s::integer"
+        "{table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL"
+        " AND reconcile_attempts >= %(max_attempts)s::integer"
     ),
-    "deferred": "{table} WHERE status = 'processing' AND locked_until IS NULL",
+    "deferred": "{table} WHERE " + DEFERRED,
 }
 JOB_COUNTS = {
     "jobs": "{jobs}",
@@ -94,8 +95,9 @@ JOB_COUNTS = {
     "jobs_failing": "{jobs} WHERE NOT dead AND last_error IS NOT NULL",
     "jobs_dead": "{jobs} WHERE dead",
 }
-#: statuses a big table has no partial index to count exactly: estimated
-ESTIMATED_ON_BIG_TABLES = frozenset({"completed", "retryable"})
+#: statuses a big table has no partial index to count exactly: estimated. (No index
+#: tells a processing key from a finished one: the finish is a HOT update.)
+ESTIMATED_ON_BIG_TABLES = frozenset({"processing", "completed", "retryable"})
 EXACT_COUNTS = """
 SELECT status, count(*) AS keys,
        count(*) FILTER (WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s)
@@ -109,13 +111,17 @@ FROM {table} GROUP BY status
 # A page of keys, newest (or oldest) first, never their bodies. The inner window walks
 # at most %(window)s rows of the created_at index from the cursor; the filters apply to
 # that window, so a rare filter costs a bounded page, never a scan of the table. Unknown
-# (and exhausted) keys walk their own partial index (unknown_idx, on created_at) instead.
+# (and exhausted) keys walk their own partial index (unknown_due_idx, on created_at) instead.
 #: the window of unknown keys only
-UNKNOWN_ONLY = "AND status = 'unknown'"
-KEYS_PAGE = """
+UNKNOWN_ONLY = "AND reconcile_due_at IS NOT NULL AND status = 'unknown'"
+KEYS_PAGE = (
+    """
 WITH window_ AS MATERIALIZED (
     SELECT tenant, left(key, 300) AS key_shown, length(key) AS key_length, key, status,
-           attempt, recovery_point, created_at, updated_at, expires_at, locked_until,
+           attempt, recovery_point, created_at, updated_at, expires_at,
+           """
+    + LEASE
+    + """,
            reconcile_attempts, response_status,
            status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted
     FROM {table}
@@ -135,6 +141,7 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
 ORDER BY created_at {order}, tenant {order}, key {order}
 LIMIT %(limit)s
 """
+)
 
 # The last row of the window: where the next page starts when this one found too few.
 WINDOW_END = """
@@ -149,9 +156,13 @@ OFFSET %(window)s - 1 LIMIT 1
 """
 
 # One key, with a preview of its body only (the body may be a megabyte).
-KEY_DETAIL = """
+KEY_DETAIL = (
+    """
 SELECT tenant, key, status, attempt, generation, recovery_point,
-       encode(fingerprint, 'hex') AS fingerprint, created_at, updated_at, locked_until,
+       encode(fingerprint, 'hex') AS fingerprint, created_at, updated_at,
+       """
+    + LEASE
+    + """,
        expires_at, reconcile_attempts, reconcile_due_at, reconcile_error,
        response_status, response_headers,
        -- a sealed response (IDEMPOTENCY_ENCRYPTOR) is opened whole, then cut
@@ -163,6 +174,7 @@ SELECT tenant, key, status, attempt, generation, recovery_point,
        status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
+)
 
 JOBS_PAGE = """
 SELECT id::text, tenant, left(key, 300) AS key, name, attempts, dead, due_at, last_error,
@@ -227,7 +239,8 @@ REARM = (
     """
 WITH chosen AS (
     SELECT tenant, key FROM {table}
-    WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s
+    WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
+      AND reconcile_attempts >= %(max_attempts)s
       AND (%(key)s::text IS NULL OR (tenant, key) = (%(tenant)s, %(key)s))
       AND (%(key)s::text IS NOT NULL OR %(tenant)s::text IS NULL OR tenant = %(tenant)s)
       AND (%(prefix)s::text IS NULL OR left(key, length(%(prefix)s)) = %(prefix)s)
@@ -236,7 +249,7 @@ WITH chosen AS (
     FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE {table} AS k
-    SET reconcile_attempts = 0, reconcile_due_at = NULL, reconcile_error = NULL,
+    SET reconcile_attempts = 0, reconcile_due_at = now(), reconcile_error = NULL,
         updated_at = now()
     FROM chosen WHERE (k.tenant, k.key) = (chosen.tenant, chosen.key)
       AND k.status = 'unknown' AND k.reconcile_attempts >= %(max_attempts)s
@@ -294,7 +307,7 @@ DISCARD_JOBS = (
 
 # What a bulk action would change, counted before it does (capped like the overview).
 EXHAUSTED_OF_FILTER = """{table}
-WHERE status = 'unknown' AND reconcile_attempts >= %(max_attempts)s
+WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL AND reconcile_attempts >= %(max_attempts)s
   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
   AND (%(prefix)s::text IS NULL OR left(key, length(%(prefix)s)) = %(prefix)s)
   AND (%(older_than)s::interval IS NULL OR created_at <= now() - %(older_than)s)"""

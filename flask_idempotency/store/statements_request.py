@@ -11,12 +11,18 @@ from __future__ import annotations
 # The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
 # (a float): cheaper to send than an interval.
 
+# The claim sets a key's expiry this many seconds beyond its TTL, so that the finish of
+# an attempt shorter than that keeps it (the key lives at least the TTL after its finish)
+# and changes no indexed column: a HOT update (see FINISH).
+FINISH_GRACE_SECONDS = 2
+
 # Reads the row with the statement's snapshot and decides; only when the request
 # must run the view does it take the advisory lock and write. The write is fenced
 # by what was read (attempt, generation, status): a row that changed, or appeared,
 # after the snapshot makes the write a no-op and the request a 409, never a second
 # owner. A zero-row INSERT takes no transaction id, so a replay writes no WAL.
-CLAIM = """
+CLAIM = (
+    """
 WITH seen AS (
     SELECT status, fingerprint, attempt, generation, recovery_point,
            locked_until <= now() AS lease_over,
@@ -44,7 +50,10 @@ WITH seen AS (
          request, request_body)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
-           now() + make_interval(secs => %(lease)s), now() + make_interval(secs => %(ttl)s),
+           now() + make_interval(secs => %(lease)s),
+           now() + make_interval(secs => %(ttl)s + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
            %(request)s, %(request_body)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
@@ -71,7 +80,7 @@ WITH seen AS (
     RETURNING k.attempt, k.generation, k.recovery_point
 ), marked AS (
     UPDATE {table} AS k
-    SET status = 'unknown', locked_until = NULL, updated_at = now()
+    SET status = 'unknown', locked_until = NULL, updated_at = now(), reconcile_due_at = now()
     FROM lock, seen
     WHERE lock.granted AND (SELECT decision FROM intent) = 'marked_unknown'
       AND k.tenant = %(tenant)s AND k.key = %(key)s AND k.status = 'processing'
@@ -86,19 +95,30 @@ FROM intent
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
 """
+)
 
 # The one UPDATE that ends an attempt. Fenced by (attempt, generation): an attempt
 # whose key was taken over, or used afresh after expiry, changes nothing. A completed
 # key no longer needs its stored request (complete=True): it is dropped at once.
+#
+# The common end (a completed key of a route without complete=True) changes no indexed
+# column, so it is a HOT update (ddl.INDEXES): a completed key keeps its claim's
+# locked_until (read only while processing), and expires_at, set by the claim
+# FINISH_GRACE_SECONDS beyond the TTL, moves only for an attempt that took longer (the
+# key is always kept at least the TTL after its finish). An unknown key becomes due for the
+# reconciler (reconcile_due_at set: unknown_due_idx finds it).
 FINISH = """
 UPDATE {table}
-SET status = %(status)s, locked_until = NULL, updated_at = now(),
-    expires_at = now() + make_interval(secs => %(ttl)s),
+SET status = %(status)s,
+    locked_until = CASE WHEN %(status)s::text = 'completed' THEN locked_until END,
+    updated_at = now(),
+    expires_at = greatest(expires_at, now() + make_interval(secs => %(ttl)s)),
     response_status = %(response_status)s,
     response_headers = %(response_headers)s,
     response_body = %(response_body)s,
     request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
-    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END
+    request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
+    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
