@@ -339,6 +339,10 @@ class Settings:
     #: False: the completion commits without waiting for its WAL flush, and may lose the
     #: last stored answers if PostgreSQL itself crashes (docs: "Trade-offs you can opt into")
     synchronous_finish: bool = option(True, _bool)
+    #: False: the claim commits without waiting for its WAL flush; a claim lost in a crash
+    #: of PostgreSQL itself lets a retry run the view again (docs: "Trade-offs you can
+    #: opt into")
+    synchronous_claim: bool = option(True, _bool)
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
     #: the keys' table, may be schema-qualified

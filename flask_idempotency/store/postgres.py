@@ -41,7 +41,16 @@ from .rows import claim_outcome
 from .schema import Schema
 from .sealing import AtRest, refused
 from .statement import Rows, Statement, execute, fetch
-from .statements_request import ADVANCE, ASYNC_COMMIT, CLAIM, DEFER, FINISH, KEY_STATUS, STAGE_JOBS
+from .statements_request import (
+    ADVANCE,
+    ASYNC_CLAIM,
+    ASYNC_COMMIT,
+    CLAIM,
+    DEFER,
+    FINISH,
+    KEY_STATUS,
+    STAGE_JOBS,
+)
 
 __all__ = ["PinnedConnection", "PostgresStore", "store_errors"]
 
@@ -91,7 +100,14 @@ class PostgresStore:
         notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
             sql.Literal(self.channel)
         )
-        self._claim = Statement(self.render(CLAIM))
+        # A transactional view's claim joins the view's transaction, whose commit is
+        # the view's own: it never commits asynchronously.
+        self._claim_pinned_statement = Statement(self.render(CLAIM, commit_mode=sql.SQL("")))
+        self._claim = (
+            self._claim_pinned_statement
+            if settings.synchronous_claim
+            else Statement(self.render(CLAIM, commit_mode=sql.SQL(ASYNC_CLAIM)))
+        )
         commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
         #: the finish, by (notify waiting twins?, insert staged jobs?)
         self._finishes = {
@@ -250,7 +266,8 @@ class PostgresStore:
             "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
             **stored,
         }
-        _, row = self.run(self._claim, params, pinned)
+        statement = self._claim if pinned is None else self._claim_pinned_statement
+        _, row = self.run(statement, params, pinned)
         assert row is not None
         with refused("the stored response cannot be read"):
             return claim_outcome(row, fingerprint, self.at_rest, tenant, key)

@@ -40,7 +40,7 @@ WITH seen AS (
         WHEN seen.lease_over THEN %(on_abandoned)s::text
         ELSE 'in_progress'
     END AS decision
-    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true{commit_mode}
 ), lock AS (
     SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
     FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
@@ -139,6 +139,11 @@ WHERE tenant = %(tenant)s AND key = %(key)s
 # With IDEMPOTENCY_SYNCHRONOUS_FINISH = False: this statement's own transaction commits
 # without waiting for its WAL flush (set_config(..., true) lasts until its commit).
 ASYNC_COMMIT = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
+
+# With IDEMPOTENCY_SYNCHRONOUS_CLAIM = False: the same for the claim's own transaction
+# (never for a transactional view's claim, whose transaction is the view's). Evaluated
+# once, with the decision, whatever the decision is.
+ASYNC_CLAIM = " CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode"
 
 # Appended to a fenced UPDATE named ``ended`` (the finish, or a phase's advance): the
 # jobs are inserted only if that UPDATE changed the key, in the same statement, so a
