@@ -209,10 +209,12 @@ def finish_attempt(
     *,
     jobs: Sequence[StagedJob] = (),
     pinned: PinnedConnection | None = None,
+    commit: bool = False,
 ) -> bool:
     """End *claim*'s attempt with *status* (one fenced UPDATE, waking waiting twins when
     the route waits): False if a newer attempt owns the key. The key's new
     ``expires_at`` is kept in ``claim.expires_at`` (``Idempotency-Key-Expires``).
+    With *pinned* and *commit*, the pinned transaction commits in the same round trip.
 
     :raises StoreError: the store failed.
     :raises EncryptionError: *response* could not be sealed; nothing was written.
@@ -227,5 +229,6 @@ def finish_attempt(
         notify=claim.settings.wait > 0,
         jobs=jobs,
         pinned=pinned,
+        commit=commit,
     )
     return claim.expires_at is not None

@@ -314,13 +314,16 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
 
 
 def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
-    """Store the response in the pinned transaction and commit it with the view's writes."""
+    """Store the response in the pinned transaction and commit it with the view's writes
+    (the finish and the ``COMMIT`` in one round trip)."""
     try:
-        finish_attempt(claim, KeyStatus.COMPLETED, ending.stored, jobs=ending.jobs, pinned=pinned)
+        finish_attempt(
+            claim, KeyStatus.COMPLETED, ending.stored, jobs=ending.jobs, pinned=pinned, commit=True
+        )
     except (StoreError, EncryptionError):
         claim.store.unpin(pinned, commit=False)  # returns the connection in any case
         raise
-    claim.store.unpin(pinned, commit=True)
+    claim.store.unpin(pinned, commit=True)  # committed already, unless psycopg began it
 
 
 def _unsealable(

@@ -4,6 +4,9 @@ pooler that hangs, between the app and its database.
 While :meth:`TcpProxy.freeze` is in effect the proxy accepts connections and bytes but
 forwards nothing in either direction, so the peers see a connection that is up and
 says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
+
+It also counts round trips (:attr:`TcpProxy.round_trips`): each time a client sends
+after its server last spoke (or first), so a pipeline of statements sent together is one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class TcpProxy:
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        #: client sends that followed an answer (or came first), on every connection
+        self.round_trips = 0
+        self._client_spoke_last: dict[int, bool] = {}
 
     @classmethod
     def to_database(cls, database_url: str) -> TcpProxy:
@@ -92,10 +98,18 @@ class TcpProxy:
                 self._sockets += [client, upstream]
             if self._stopping.is_set():  # stop() is closing them
                 return
-            self._spawn(self._pump, client, upstream)
-            self._spawn(self._pump, upstream, client)
+            self._spawn(self._pump, client, upstream, id(client), True)
+            self._spawn(self._pump, upstream, client, id(client), False)
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _count(self, pair: int, from_client: bool) -> None:
+        with self._lock:
+            if from_client and not self._client_spoke_last.get(pair, False):
+                self.round_trips += 1
+            self._client_spoke_last[pair] = from_client
+
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, pair: int, from_client: bool
+    ) -> None:
         try:
             source.settimeout(0.1)
         except OSError:  # stop() closed the socket before this thread started
@@ -110,6 +124,7 @@ class TcpProxy:
                 break
             if not data:
                 break
+            self._count(pair, from_client)
             # Bytes read just before a freeze are held until the thaw too.
             while not self._flowing.wait(0.1):
                 if self._stopping.is_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -311,11 +312,14 @@ class PostgresStore:
         notify: bool = False,
         jobs: Sequence[StagedJob] = (),
         pinned: PinnedConnection | None = None,
+        commit: bool = False,
     ) -> datetime | None:
         """End the attempt *outcome* with *status*: the key's new ``expires_at`` (None: fenced).
 
         *jobs* are inserted in the same statement, only if the key changed. With *pinned*,
-        the UPDATE joins that transaction. An unsealable *response* raises EncryptionError.
+        the UPDATE joins that transaction, and with *commit* the transaction commits in
+        the same round trip (:meth:`unpin` then only returns the connection). An
+        unsealable *response* raises EncryptionError.
         """
         params = {
             "tenant": tenant,
@@ -329,7 +333,9 @@ class PostgresStore:
         }
         if jobs:
             params.update(stage_params(jobs))
-        rowcount, row = self.run(self._finishes[notify, bool(jobs)], params, pinned)
+        statement = self._finishes[notify, bool(jobs)]
+        runner = functools.partial(execute, commit=True) if commit else execute
+        rowcount, row = self._attempt(runner, statement, params, pinned, None)
         return row[1] if rowcount == 1 and row is not None else None
 
     def notify(self, tenant: str, key: str) -> None:

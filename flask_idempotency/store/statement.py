@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import psycopg
 import xxhash
 from psycopg import errors, generators, pq
-from psycopg.abc import Buffer
+from psycopg.abc import Buffer, PQGen
 from psycopg.adapt import PyFormat, Transformer
 
 _NAMED = re.compile(r"%\((\w+)\)s")
@@ -85,17 +85,22 @@ def execute(
     statement: Statement,
     params: Mapping[str, Any],
     prepare: bool | None,
+    *,
+    commit: bool = False,
 ) -> tuple[int, tuple[Any, ...] | None]:
     """Run *statement* on *conn*: its row count and its first row (``None`` if none).
 
     Prepared unless *prepare* is False or the connection never prepares
-    (``prepare_threshold = None``). Errors are psycopg's, as a cursor raises them.
+    (``prepare_threshold = None``). On a connection outside autocommit, the ``BEGIN``
+    that psycopg would send first goes in the same round trip, and with *commit* so
+    does the ``COMMIT`` after it (libpq's pipeline mode). Errors are psycopg's, as a
+    cursor raises them; a ``COMMIT`` that fails raises its own error.
     """
-    if not conn.autocommit and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+    if _begins_unusually(conn):
         cur = _execute_beginning(conn, statement, params, prepare)
         result = cur.pgresult
         return cur.rowcount, cur.fetchone() if result is not None and result.ntuples else None
-    tx, result = _result(conn, statement, params, prepare)
+    tx, result = _result(conn, statement, params, prepare, commit)
     row = tx.load_row(0, tuple) if result.ntuples else None
     return result.command_tuples or 0, row
 
@@ -107,14 +112,25 @@ def fetch(
     prepare: bool | None,
 ) -> Rows:
     """Run *statement* on *conn* as :func:`execute` does: every row it returned."""
-    if not conn.autocommit and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+    if _begins_unusually(conn):
         cur = _execute_beginning(conn, statement, params, prepare)
         names = tuple(column.name for column in cur.description or ())
         return Rows(cur.rowcount, names, cur.fetchall() if names else [])
-    tx, result = _result(conn, statement, params, prepare)
+    tx, result = _result(conn, statement, params, prepare, False)
     encoding = conn.info.encoding
     names = tuple((result.fname(i) or b"").decode(encoding) for i in range(result.nfields))
     return Rows(result.command_tuples or 0, names, tx.load_rows(0, result.ntuples, tuple))
+
+
+def _begins_unusually(conn: psycopg.Connection[Any]) -> bool:
+    """True if psycopg would begin *conn*'s next transaction with more than a plain
+    ``BEGIN`` (an isolation level, read-only, deferrable set on a pool of the app's):
+    then its cursor begins it, as psycopg would."""
+    return (
+        not conn.autocommit
+        and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+        and (conn.isolation_level, conn.read_only, conn.deferrable) != (None, None, None)
+    )
 
 
 def _result(
@@ -122,6 +138,7 @@ def _result(
     statement: Statement,
     params: Mapping[str, Any],
     prepare: bool | None,
+    commit: bool,
 ) -> tuple[Any, pq.abc.PGresult]:
     """Send *statement* (prepared if it may be) and wait for its result: the adapters
     that load it, and the result."""
@@ -135,16 +152,19 @@ def _result(
     tx = runner.transformer
     values = tx.dump_sequence(statement.args(params), statement._formats)
     idle = conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+    frame = _Frame(begin=idle and not conn.autocommit, commit=commit and not conn.autocommit)
     prepared = prepare is not False and conn.prepare_threshold is not None
     name = _prepared_name(conn, runner, statement._text, idle) if prepared else None
-    result = _send(conn, runner, statement._text, name, values)
+    result = _send(conn, runner, statement._text, name, values, frame)
     if name is not None and idle and _name_lost(result):
         # Gone from the server (DISCARD ALL, or a pooler's other server connection):
         # it never ran; prepared again once. A pooler that loses it again is found
         # by the caller, which then stops preparing.
+        if frame.begin:  # the transaction it began is aborted: nothing else ran in it
+            conn.wait(_command(conn.pgconn, b"ROLLBACK"))
         runner.prepared.clear()
         name = _prepared_name(conn, runner, statement._text, idle)
-        result = _send(conn, runner, statement._text, name, values)
+        result = _send(conn, runner, statement._text, name, values, frame)
     if result.status not in _OK:
         raise errors.error_from_result(result, encoding=conn.info.encoding)
     tx.set_pgresult(result)
@@ -163,21 +183,78 @@ def _prepared_name(
     return name
 
 
+class _Frame(NamedTuple):
+    """What is sent around a statement in its round trip."""
+
+    begin: bool  #: a ``BEGIN`` before it
+    commit: bool  #: a ``COMMIT`` after it
+
+
 def _send(
     conn: psycopg.Connection[Any],
     runner: _Runner,
     text: bytes,
     name: bytes | None,
     values: Sequence[Buffer | None],
+    frame: _Frame,
 ) -> pq.abc.PGresult:
-    """Send the statement (by *name* if prepared) and wait for its last result."""
+    """Send the statement (by *name* if prepared), in *frame*, and wait: the
+    statement's last result, or the first failed one of its frame."""
     tx = runner.transformer
-    if name is None:
-        conn.pgconn.send_query_params(text, values, tx.types, tx.formats)
-    else:
-        conn.pgconn.send_query_prepared(name, values, tx.formats)
-    result: pq.abc.PGresult = conn.wait(generators.execute(conn.pgconn))[-1]
-    return result
+    pgconn = conn.pgconn
+
+    def send_statement() -> None:
+        if name is None:
+            pgconn.send_query_params(text, values, tx.types, tx.formats)
+        else:
+            pgconn.send_query_prepared(name, values, tx.formats)
+
+    if not (frame.begin or frame.commit):
+        send_statement()
+        result: pq.abc.PGresult = conn.wait(generators.execute(pgconn))[-1]
+        return result
+    pgconn.enter_pipeline_mode()
+    try:
+        if frame.begin:
+            pgconn.send_query_params(b"BEGIN", None)
+        send_statement()
+        if frame.commit:
+            pgconn.send_query_params(b"COMMIT", None)
+        pgconn.pipeline_sync()
+        results = conn.wait(_pipelined(pgconn, frame.begin + 1 + frame.commit))
+    finally:
+        _leave_pipeline(pgconn)
+    # A failure aborts what follows it: the first failed result is the one to raise.
+    failed = [r for r in results if r.status not in _OK]
+    return failed[0] if failed else results[frame.begin]
+
+
+def _pipelined(pgconn: pq.abc.PGconn, count: int) -> PQGen[list[pq.abc.PGresult]]:
+    """Flush a pipeline of *count* commands and a sync; each command's last result."""
+    yield from generators.send(pgconn)
+    results = []
+    for _ in range(count):
+        results.append((yield from generators.fetch_many(pgconn))[-1])
+    yield from generators.fetch_many(pgconn)  # the sync's
+    return results
+
+
+def _leave_pipeline(pgconn: pq.abc.PGconn) -> None:
+    """Leave pipeline mode; a connection that cannot (interrupted with results still
+    to come, or closed by a timeout) is closed, so that the pool never reuses it."""
+    if pgconn.pipeline_status == pq.PipelineStatus.OFF:
+        return
+    try:
+        pgconn.exit_pipeline_mode()
+    except psycopg.OperationalError:
+        pgconn.finish()
+
+
+def _command(pgconn: pq.abc.PGconn, command: bytes) -> PQGen[list[pq.abc.PGresult]]:
+    """Run a statement without parameters."""
+    pgconn.send_query(command)
+    results: PQGen[list[pq.abc.PGresult]] = generators.execute(pgconn)
+    return results
 
 
 def _name_lost(result: pq.abc.PGresult) -> bool:
@@ -206,8 +283,8 @@ def _execute_beginning(
     params: Mapping[str, Any],
     prepare: bool | None,
 ) -> psycopg.RawCursor[Any]:
-    """The first statement of a transaction psycopg has not begun yet (a pinned
-    connection): its cursor sends the ``BEGIN`` with it."""
+    """The first statement of a transaction that psycopg begins its own way (see
+    :func:`_begins_unusually`): its cursor sends that ``BEGIN`` first."""
     cur = psycopg.RawCursor(conn)
     cur.execute(statement.text, statement.args(params), prepare=prepare)
     return cur
