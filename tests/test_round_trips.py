@@ -132,7 +132,7 @@ def test_a_commit_that_fails_after_its_finish_stores_nothing(
     neither the view's writes nor the response are kept, and a retry runs afresh."""
     db.execute(
         "CREATE TABLE IF NOT EXISTS round_trip_deferred"
-        " (n int, CONSTRAINT once UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)"
+        " (n int, CONSTRAINT round_trip_once UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)"
     )
     key = uuid.uuid4().hex
     failed = client.post("/book", json={}, headers={"Idempotency-Key": key, "X-Fail": "at-commit"})
