@@ -46,7 +46,7 @@ VARIANTS = [
     Variant("d", "@idempotent, 10 % duplicate keys", "/idempotent", "mix"),
     Variant("e", "pgbench: the extension's claim + finish SQL"),
     Variant("f", "hand-rolled seed-style, new key", "/handrolled", "new"),
-    Variant("p", "floor: claim INSERT + finish UPDATE, new key", "/floor", "new"),
+    Variant("p", "floor: bare INSERT + UPDATE, new key", "/floor", "new"),
     Variant("g", "Powertools + Redis, new key per request", "/powertools", "new", "powertools"),
     Variant("gr", "Powertools + Redis, replay of one key", "/powertools", "replay", "powertools"),
     Variant("o", "order view, plain (its own INSERT)", "/order-plain", "new"),
