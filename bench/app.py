@@ -11,6 +11,13 @@
   that inserts an order row (variants o, ot, oh): alone on the pool's connection, under
   ``@idempotency.idempotent(transactional=True)`` on the claim's connection (the row, the
   claim and the finish in one commit), and under the hand-rolled protection;
+* ``POST /floor``, ``/order-floor``: the floor, the least any library can do at the same
+  durability (variants p, pt), bare psycopg on the same pool: ``/floor`` claims with one
+  ``INSERT ... ON CONFLICT DO NOTHING RETURNING 1`` and finishes with one ``UPDATE``, each
+  its own autocommit transaction (two durable commits, like b and f); ``/order-floor`` runs
+  the claim, the order row and the finish in one transaction (one durable commit, like
+  ot). A key that is already there is answered from its row (replay) or with 409; no
+  fingerprint, no tenant, no lease;
 * ``POST /powertools``: the view under a peer library (variants g and gr, see
   bench/peers.py), when ``BENCH_REDIS_URL`` names the benchmark's redis-server.
 
@@ -29,7 +36,8 @@ import os
 import uuid
 from typing import Any
 
-from flask import Flask, Response, request
+import psycopg
+from flask import Flask, Response, make_response, request
 from psycopg_pool import ConnectionPool
 
 import flask_idempotency
@@ -44,6 +52,13 @@ CREATE TABLE IF NOT EXISTS handrolled_keys (
     response_body bytea,
     created_at timestamptz NOT NULL DEFAULT now()
 );
+CREATE TABLE IF NOT EXISTS floor_keys (
+    key text PRIMARY KEY,
+    status text NOT NULL,
+    response_status smallint,
+    response_body bytea,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
 CREATE TABLE IF NOT EXISTS bench_orders (
     id uuid PRIMARY KEY,
     amount integer,
@@ -52,6 +67,17 @@ CREATE TABLE IF NOT EXISTS bench_orders (
 """
 #: the realistic view's own write (variants o, ot, oh)
 INSERT_ORDER = "INSERT INTO bench_orders (id, amount) VALUES (%s, %s)"
+#: the floor's three statements (variants p, pt): the claim, the look-up of a key that is
+#: already there, the finish
+FLOOR_CLAIM = (
+    "INSERT INTO floor_keys (key, status) VALUES (%s, 'processing')"
+    " ON CONFLICT DO NOTHING RETURNING 1"
+)
+FLOOR_READ = "SELECT status, response_status, response_body FROM floor_keys WHERE key = %s"
+FLOOR_FINISH = (
+    "UPDATE floor_keys SET status = 'completed', response_status = %s, response_body = %s"
+    " WHERE key = %s"
+)
 
 
 class ExecutionLog:
@@ -196,15 +222,7 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
             finally:
                 conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", [key])
             if row is not None:
-                status, response_status, response_body = row
-                if status == "completed":
-                    return Response(
-                        bytes(response_body),
-                        response_status,
-                        mimetype="application/json",
-                        headers={"Idempotent-Replayed": "true"},
-                    )
-                return {"error": "request in progress"}, 409
+                return stored_answer(row)
             payload, code = order(route, conn) if with_order else work(route)
             response = app.json.response(payload)
             response.status_code = code
@@ -214,6 +232,56 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
                 [code, response.get_data(), key],
             )
             return response
+
+    def stored_answer(row: Any) -> Response | tuple[dict[str, Any], int]:
+        """The answer to a key that is already there: its response, or 409."""
+        if row is None:  # gone meanwhile (nothing deletes them here): as if in progress
+            return {"error": "request in progress"}, 409
+        status, response_status, response_body = row
+        if status == "completed":
+            return Response(
+                bytes(response_body),
+                response_status,
+                mimetype="application/json",
+                headers={"Idempotent-Replayed": "true"},
+            )
+        return {"error": "request in progress"}, 409
+
+    def floor_finish(conn: Any, key: str, payload: dict[str, Any], code: int) -> Response:
+        """The response, stored in the key's row by the floor's UPDATE."""
+        response = make_response(payload, code)
+        conn.execute(FLOOR_FINISH, [code, response.get_data(), key])
+        return response
+
+    @app.post("/floor")
+    def floor() -> Response | tuple[dict[str, Any], int]:
+        """The floor of b: a claim and a finish, two autocommit statements."""
+        key = request.headers.get("Idempotency-Key")
+        if not key:
+            return {"error": "Idempotency-Key required"}, 400
+        with handrolled_pool().connection() as conn:
+            if conn.execute(FLOOR_CLAIM, [key]).fetchone() is None:
+                return stored_answer(conn.execute(FLOOR_READ, [key]).fetchone())
+            payload, code = work("floor")
+            return floor_finish(conn, key, payload, code)
+
+    @app.post("/order-floor")
+    def order_floor() -> Response | tuple[dict[str, Any], int]:
+        """The floor of ot: the claim, the order row and the finish in one transaction
+        (``conn.transaction()`` on the pool's autocommit connection sends BEGIN and
+        COMMIT, as a connection with autocommit off would)."""
+        key = request.headers.get("Idempotency-Key")
+        if not key:
+            return {"error": "Idempotency-Key required"}, 400
+        with handrolled_pool().connection() as conn:
+            with conn.transaction():
+                if conn.execute(FLOOR_CLAIM, [key]).fetchone() is None:
+                    row = conn.execute(FLOOR_READ, [key]).fetchone()
+                    answer = stored_answer(row)
+                    raise psycopg.Rollback()  # nothing was written: end the transaction
+                payload, code = order("order-floor", conn)
+                answer = floor_finish(conn, key, payload, code)
+            return answer
 
     peers.register(app, work)
     return app

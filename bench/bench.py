@@ -1,7 +1,9 @@
 """The benchmark driver, started by ``bash bench/run`` (see docs/performance.md).
 
 One run on this machine, against a throwaway *durable* PostgreSQL (``fsync``,
-``synchronous_commit`` and ``full_page_writes`` on) and gunicorn on 127.0.0.1:
+``synchronous_commit`` and ``full_page_writes`` on) and gunicorn on 127.0.0.1 (the app
+reaches PostgreSQL over 127.0.0.1 TCP, or with ``--unix-socket`` over its Unix-domain
+socket):
 
 1. throughput and latency of the variants, measured in alternating rounds (a b c d e f
    g gr, then b c d e f g gr a, ...) and reported as medians, with the CPU each component spent per
@@ -21,12 +23,18 @@ One run on this machine, against a throwaway *durable* PostgreSQL (``fsync``,
       its Redis persistence layer, on a redis-server the benchmark starts, a new key per
       request; gr: the same, replays of one key (bench/peers.py);
    h. Flask-Idempotent (2015), measured only if it imports (it did not, last time);
+   o, ot, oh. a view that inserts an order row: plain, ``@idempotent(transactional=True)``,
+      hand-rolled;
+   p, pt. the floor (``POST /floor``, ``/order-floor``): the least any library can do at
+      the same durability, a claim ``INSERT ... ON CONFLICT DO NOTHING`` and a finish
+      ``UPDATE`` in bare psycopg, as two commits (p) or with the order row in one (pt);
 
    then the latency at low load: one client, one connection, sequential requests, for
    every variant that sends new keys or replays;
-2. round trips (through a counting TCP proxy), statements (pg_stat_statements), commits
-   (pg_stat_database), transaction ids, WAL flushes (pg_stat_io) and WAL bytes per new key
-   and per replay, with sequential requests to a one-worker gunicorn;
+2. round trips (through a counting proxy, TCP or Unix socket), statements
+   (pg_stat_statements), commits (pg_stat_database), transaction ids, WAL flushes
+   (pg_stat_io) and WAL bytes per new key and per replay, with sequential requests to a
+   one-worker gunicorn;
 3. a py-spy profile of one gunicorn worker during a new-key round and a replay round;
 4. per-worker RSS before and after a long new-key run (100k requests by default);
 5. double executions: keys whose view ran more than once (from the app's execution logs).
@@ -83,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("always", "everysec", "no"),
         help="redis-server's AOF flush for the Powertools variants (default everysec)",
     )
+    p.add_argument(
+        "--unix-socket",
+        action="store_true",
+        help="the app's pools, pgbench and the counted phase reach PostgreSQL over its"
+        " Unix-domain socket instead of 127.0.0.1 TCP",
+    )
     p.add_argument("--rss-requests", type=int, default=100_000)
     p.add_argument("--rss-max-seconds", type=float, default=200)
     p.add_argument("--settle", type=float, default=1.2, help="pause before reading statistics")
@@ -127,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = parse_variants(args.variants)
     except ValueError as exc:
         p.error(f"--variants: {exc}")
+    if args.soak and args.unix_socket:
+        p.error("--unix-socket: not with --soak (the soak connects over TCP)")
     if "b" not in args.variants:
         p.error("--variants: b is needed (the RSS run and the profiles use it)")
     return args

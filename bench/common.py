@@ -46,11 +46,13 @@ VARIANTS = [
     Variant("d", "@idempotent, 10 % duplicate keys", "/idempotent", "mix"),
     Variant("e", "pgbench: the extension's claim + finish SQL"),
     Variant("f", "hand-rolled seed-style, new key", "/handrolled", "new"),
+    Variant("p", "floor: bare INSERT + UPDATE, new key", "/floor", "new"),
     Variant("g", "Powertools + Redis, new key per request", "/powertools", "new", "powertools"),
     Variant("gr", "Powertools + Redis, replay of one key", "/powertools", "replay", "powertools"),
     Variant("o", "order view, plain (its own INSERT)", "/order-plain", "new"),
     Variant("ot", "order view, @idempotent(transactional=True)", "/order-transactional", "new"),
     Variant("oh", "order view, hand-rolled + its INSERT", "/order-handrolled", "new"),
+    Variant("pt", "order view, floor: one transaction", "/order-floor", "new"),
     Variant("h", "Flask-Idempotent 0.1.0, new key", "/flask-idempotent", "new", "flask_idempotent"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}

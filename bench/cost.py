@@ -6,10 +6,13 @@ they are the figures to compare two versions of the library with on a busy machi
 
     python -m bench.cost [--url DATABASE_URL] [--rounds 5] [--requests 1000] [VARIANT ...]
 
-VARIANT is ``plain``, ``new``, ``replay``, ``handrolled``, or the order view's ``order``,
-``order-tx`` (transactional=True) and ``order-hand`` (default: all). Without
-``--url`` it starts a throwaway durable PostgreSQL (as bench/run does) and stops it at
-the end. Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
+VARIANT is ``plain``, ``new``, ``replay``, ``handrolled``, the floor (``floor``: a bare
+claim INSERT and finish UPDATE, two commits), or the order view's ``order``, ``order-tx``
+(transactional=True), ``order-hand`` and ``order-floor`` (the floor's claim, the row and
+the finish in one transaction) (default: all). Without ``--url`` it starts a throwaway
+durable PostgreSQL (as bench/run does) and stops it at the end; ``--unix-socket`` has the
+app connect to that server over its Unix-domain socket instead of 127.0.0.1 TCP.
+Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
 warm-up requests, then *rounds* of *requests*; it prints the minimum over the rounds of
 each CPU figure (the least disturbed round) and the median of the counters.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -27,9 +31,10 @@ from typing import Any
 
 import psycopg
 from flask.testing import FlaskClient
+from psycopg.conninfo import conninfo_to_dict
 
 from bench.app import HANDROLLED_SCHEMA, create_app
-from bench.common import BODY, MIMETYPE
+from bench.common import BODY, MIMETYPE, BenchError
 from bench.system import children, process_cpu
 
 PATHS = {
@@ -37,9 +42,11 @@ PATHS = {
     "new": "/idempotent",
     "replay": "/idempotent",
     "handrolled": "/handrolled",
+    "floor": "/floor",
     "order": "/order-plain",
     "order-tx": "/order-transactional",
     "order-hand": "/order-handrolled",
+    "order-floor": "/order-floor",
 }
 TABLES = {
     "new": "idempotency_keys",
@@ -47,6 +54,8 @@ TABLES = {
     "handrolled": "handrolled_keys",
     "order-tx": "idempotency_keys",
     "order-hand": "handrolled_keys",
+    "floor": "floor_keys",
+    "order-floor": "floor_keys",
 }
 
 
@@ -160,7 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--unix-socket",
+        action="store_true",
+        help="the app reaches the server it starts over its Unix-domain socket (not with --url:"
+        " put host=/socket/dir in that URL instead)",
+    )
     args = parser.parse_args(argv)
+    if args.unix_socket and args.url:
+        parser.error("--unix-socket: not with --url (put host=/socket/dir in the URL instead)")
     variants = args.variants or list(PATHS)
     for v in variants:
         if v not in PATHS:
@@ -175,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             db.start(print)
             url, postmaster = db.url, db.pid
         try:
+            if db is not None and args.unix_socket:
+                url = db.unix_url()  # BenchError if the socket path is too long
+            print(f"connecting over {transport(url)}", flush=True)
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute(HANDROLLED_SCHEMA)
                 conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
@@ -195,10 +215,22 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=2))
+        except BenchError as exc:
+            print(f"bench.cost: {exc}", file=sys.stderr)
+            return 1
         finally:
             if db is not None:
                 db.stop()
     return 0
+
+
+def transport(url: str) -> str:
+    """How *url* reaches the server, for the output's first line."""
+    info = conninfo_to_dict(url)
+    host = str(info.get("host") or "")
+    if host.startswith("/"):
+        return f"the Unix-domain socket in {host} (port {info.get('port', 5432)})"
+    return f"TCP {host or '(libpq default host)'}:{info.get('port', 5432)}"
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import DATABASE, BenchError, get_json, percentile, post
 from bench.meter import LAGGING, window
+from bench.servers import unix_socket_url
 
 if TYPE_CHECKING:
     from bench.driver import Bench
@@ -22,11 +24,20 @@ CASES = [
     ("c", "replay, @idempotent", "/idempotent", "/idempotent"),
     ("f", "new key, hand-rolled", "/handrolled", None),
     ("f-replay", "replay, hand-rolled", "/handrolled", "/handrolled"),
+    ("p", "new key, floor", "/floor", None),
+    ("p-replay", "replay, floor", "/floor", "/floor"),
     ("a", "plain view", "/plain", None),
     ("o", "order view, plain", "/order-plain", None),
     ("ot", "order, transactional", "/order-transactional", None),
     ("oh", "order, hand-rolled", "/order-handrolled", None),
+    ("pt", "order, floor", "/order-floor", None),
 ]
+#: the routes the counting server's warm-up sends to (new keys and replays)
+WARM_ROUTES = ("/idempotent", "/handrolled", "/floor", "/plain")
+REPLAYED_ROUTES = ("/idempotent", "/handrolled", "/floor")
+#: the port number in the name of the proxy's Unix-domain socket (only a name: libpq
+#: connects to <directory>/.s.PGSQL.<port>)
+PROXY_SOCKET_PORT = 5432
 PER_REQUEST = (
     "commits",
     "xids",
@@ -39,17 +50,35 @@ PER_REQUEST = (
 
 
 class CountingProxy:
-    """A TCP proxy in front of PostgreSQL that counts round trips.
+    """A proxy in front of PostgreSQL that counts round trips.
 
     A round trip is counted each time the client sends after the server last sent (or
     for the first time): messages the client sends without waiting for an answer, such
     as Parse/Bind/Execute/Sync of one statement, are one round trip.
+
+    Over TCP it listens on a free 127.0.0.1 port and connects to *target_port* on
+    127.0.0.1; given *unix_dir* (``--unix-socket``), it listens on the Unix-domain socket
+    ``<unix_dir>/.s.PGSQL.5432`` and connects to the server's socket *target_socket*, so
+    the counted requests use the same transport as the measured ones.
     """
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(
+        self, target_port: int, unix_dir: Path | None = None, target_socket: str = ""
+    ) -> None:
         self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
+        self.unix_dir = unix_dir
+        self.target_socket = target_socket
+        if unix_dir is None:
+            self.listener = socket.create_server(("127.0.0.1", 0))
+            self.port: int = self.listener.getsockname()[1]
+            self.url = f"postgresql://postgres@127.0.0.1:{self.port}/{DATABASE}"
+        else:
+            self.port = PROXY_SOCKET_PORT
+            self.url = unix_socket_url(unix_dir, self.port)  # checks the path's length
+            unix_dir.mkdir(parents=True, exist_ok=True)
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(str(unix_dir / f".s.PGSQL.{self.port}"))
+            self.listener.listen(64)
         self.lock = threading.Lock()
         self.round_trips = 0
         self.connections = 0
@@ -64,6 +93,8 @@ class CountingProxy:
 
     def close(self) -> None:
         self.listener.close()
+        if self.unix_dir is not None:
+            (self.unix_dir / f".s.PGSQL.{self.port}").unlink(missing_ok=True)
         for sock in self._sockets:
             try:
                 sock.close()
@@ -76,10 +107,14 @@ class CountingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for sock in (client, upstream):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._sockets.append(sock)
+            if self.unix_dir is None:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                for sock in (client, upstream):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                upstream.connect(self.target_socket)
+            self._sockets.extend((client, upstream))
             with self.lock:
                 self.connections += 1
             state = {"last": ""}
@@ -126,18 +161,20 @@ def statement_calls(bench: Bench) -> list[tuple[Any, ...]]:
 
 def count_round_trips(bench: Bench) -> None:
     """Sequential requests to a one-worker gunicorn whose pools go through a proxy."""
-    proxy = CountingProxy(bench.db.port)
+    if bench.args.unix_socket:
+        target = str(bench.db.socket_dir / f".s.PGSQL.{bench.db.port}")
+        proxy = CountingProxy(bench.db.port, bench.workdir / "proxy", target)
+    else:
+        proxy = CountingProxy(bench.db.port)
     proxy.start()
-    server = bench.start_gunicorn(
-        "count", 1, f"postgresql://postgres@127.0.0.1:{proxy.port}/{DATABASE}"
-    )
+    server = bench.start_gunicorn("count", 1, proxy.url)
     try:
         prefix = f"count{bench.run_id}"
-        replay_key = {path: f"{prefix}-replay{path[1:]}" for path in ("/idempotent", "/handrolled")}
+        replay_key = {path: f"{prefix}-replay{path[1:]}" for path in REPLAYED_ROUTES}
         # Warm-up: open the pools, check the schema, prepare the statements on every
         # pooled connection (the pool hands its connections out in turn).
         for i in range(20):
-            for path in ("/idempotent", "/handrolled", "/plain"):
+            for path in WARM_ROUTES:
                 post(server.port, path, f"{prefix}-warm-{path[1:]}-{i}")
             for path, key in replay_key.items():
                 post(server.port, path, key)

@@ -29,6 +29,7 @@ from bench.servers import (
     app_env,
     start_gunicorn,
     stop_gunicorn,
+    unix_socket_url,
 )
 from bench.system import library_state, machine, sources_hash
 
@@ -52,6 +53,8 @@ class Bench:
         self.db = Postgres(self.workdir / "pgdata", self.processes)
         self.pgbench = Pgbench(self.db, self.processes, self.workdir, self.exec_dir)
         self.redis: Redis | None = None
+        #: the URL of the app's pools (see choose_transport)
+        self.app_url = ""
         self.gunicorns: list[Gunicorn] = []
         self.main: Gunicorn | None = None
         self.meter = Meter(self.db, self.gunicorns, args.settle, self.poke_main)
@@ -141,9 +144,10 @@ class Bench:
         self.results["settings"]["rounds"] = a.rounds
         self.results["settings"]["postgres"] = self.db.start(self.log)
         self.exec_dir.mkdir(exist_ok=True)
+        self.choose_transport()
         self.db.prepare_app(self.app_env(self.db.url))
         self.start_redis()
-        server = self.main = self.start_gunicorn("main", a.workers, self.db.url)
+        server = self.main = self.start_gunicorn("main", a.workers, self.app_url)
         self.log(f"gunicorn: {a.workers} sync workers {server.worker_pids} on port {server.port}")
         self.check_peers(server)
         phases.rounds(self, server)
@@ -168,6 +172,22 @@ class Bench:
         self.results["library_at_end"] = library_state(self.repo)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
         self.write_report()
+
+    def choose_transport(self) -> None:
+        """How the app's pools (the extension's and the bench's), pgbench and the counted
+        phase reach PostgreSQL: 127.0.0.1 TCP, or with ``--unix-socket`` the server's
+        Unix-domain socket. The benchmark's own readings always use TCP."""
+        if self.args.unix_socket:
+            self.app_url = self.db.unix_url()  # BenchError if the path is too long
+            unix_socket_url(self.workdir / "proxy", counting.PROXY_SOCKET_PORT)  # same, now
+            self.pgbench.host = str(self.db.socket_dir)
+            where = self.db.socket_dir / f".s.PGSQL.{self.db.port}"
+            transport = f"Unix-domain socket {where}"
+        else:
+            self.app_url = self.db.url
+            transport = f"TCP 127.0.0.1:{self.db.port}"
+        self.results["settings"]["transport"] = transport
+        self.log(f"the app, pgbench and the counted phase connect over {transport}")
 
     def start_redis(self) -> None:
         """redis-server for the peers' variants, if any was asked for."""

@@ -72,6 +72,8 @@ class Pgbench:
         self.workdir = workdir
         self.exec_dir = exec_dir
         self.command = ""
+        #: -h: 127.0.0.1, or the server's socket directory (--unix-socket)
+        self.host = "127.0.0.1"
 
     def extension_statements(self) -> tuple[str, str]:
         """The claim and the finish as the extension renders them for the bench app's
@@ -157,7 +159,7 @@ class Pgbench:
         self.check_parameters(script.read_text(), [d.split("=", 1)[0] for d in defines[1::2]])
         cmd = [
             str(self.db.bin_dir / "pgbench"),
-            *("-h", "127.0.0.1", "-p", str(self.db.port), "-U", "postgres"),
+            *("-h", self.host, "-p", str(self.db.port), "-U", "postgres"),
             *("-n", "-M", "prepared", "-c", str(connections), "-j", str(threads)),
             *("-T", str(math.ceil(seconds)), "-f", str(script)),
             *defines,

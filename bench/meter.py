@@ -30,7 +30,7 @@ DB_PER_REQUEST = (
     "hot_updates",
 )
 #: the tables whose updates are counted (and how many of them were HOT)
-UPDATED_TABLES = ["idempotency_keys", "handrolled_keys"]
+UPDATED_TABLES = ["idempotency_keys", "handrolled_keys", "floor_keys"]
 
 
 def window(before: Settled, after: Settled) -> dict[str, float]:

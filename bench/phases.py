@@ -222,6 +222,7 @@ def double_executions(bench: Bench) -> None:
     counts = executions(bench, "idempotent")
     hand = executions(bench, "handrolled")
     powertools = executions(bench, "powertools")
+    floor = executions(bench, "floor") + executions(bench, "order-floor")
     mix_prefixes = tuple(p + "-" for p in bench.prefixes["d"])
     mix_keys = {k: c for k, c in counts.items() if k.startswith(mix_prefixes)}
     patterns = [p + "-%" for p in bench.prefixes["d"]]
@@ -252,6 +253,8 @@ def double_executions(bench: Bench) -> None:
         "all_idempotent_double_executions": sum(1 for c in counts.values() if c > 1),
         "handrolled_keys_executed": len(hand),
         "handrolled_double_executions": sum(1 for c in hand.values() if c > 1),
+        "floor_keys_executed": len(floor),
+        "floor_double_executions": sum(1 for c in floor.values() if c > 1),
         "powertools_keys_executed": len(powertools),
         "powertools_double_executions": sum(1 for c in powertools.values() if c > 1),
     }

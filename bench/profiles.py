@@ -250,12 +250,12 @@ def inprocess(bench: Bench) -> None:
     """CPU per request of each route without HTTP (bench/inprocess.py), then CPU
     profiles of the new-key and replay runs."""
     n = bench.args.inprocess_requests
-    env = bench.app_env(bench.db.url)
+    env = bench.app_env(bench.app_url)
     measured: dict[str, Any] = {}
 
     def command(variant: str) -> list[str]:
         return [
-            *(sys.executable, "-m", "bench.inprocess", bench.db.url, str(bench.exec_dir)),
+            *(sys.executable, "-m", "bench.inprocess", bench.app_url, str(bench.exec_dir)),
             *(variant, "--requests", str(n)),
         ]
 

@@ -22,6 +22,11 @@ RATIOS = [
     ("ot/o", "ot", "o", "order view: transactional=True vs plain with its write", 0.70),
     ("oh/o", "oh", "o", "order view: hand-rolled vs plain with its write", None),
     ("ot/oh", "ot", "oh", "order view: transactional=True vs hand-rolled", None),
+    ("b/p", "b", "p", "new key vs the floor (2 statements)", None),
+    ("p/f", "p", "f", "the floor vs hand-rolled", None),
+    ("p/g", "p", "g", "the floor vs Powertools + Redis", None),
+    ("ot/pt", "ot", "pt", "order view: transactional=True vs floor", None),
+    ("pt/o", "pt", "o", "order view: floor vs plain with its write", None),
 ]
 
 
@@ -82,6 +87,10 @@ def header(results: dict[str, Any], w: Write) -> None:
         )
     overrides = settings.get("idempotency_overrides") or {}
     w("extension settings: defaults" + "".join(f", {k}={v}" for k, v in sorted(overrides.items())))
+    w(
+        "transport to PostgreSQL (the app's pools, pgbench, the counted phase):"
+        f" {settings.get('transport', 'TCP 127.0.0.1')}"
+    )
     w(f"gunicorn {machine['gunicorn']}: {settings['gunicorn']['main']}")
     w(f"wrk ({machine['wrk']}): {settings['wrk']}")
     w(f"pgbench: {settings.get('pgbench', '-')}")
@@ -246,10 +255,11 @@ def counted(results: dict[str, Any], w: Write) -> None:
             f" {c['statement_wal_bytes']:9.0f} {c['sequential_latency_ms_p50']:8.2f} ms"
             f"  {hot_share(c)}"
         )
-    w("  (every statement is its own transaction, so commits = statements; xids: the")
+    w("  (every statement is its own transaction, except in ot and pt: one transaction per")
+    w("  request, BEGIN and COMMIT counted as statements; xids: the")
     w("  transactions that wrote; WAL flushes: fsyncs by client backends, pg_stat_io;")
     w("  WAL bytes: written by the statements themselves, pg_stat_statements)")
-    for name in ("b", "c", "ot"):
+    for name in ("b", "c", "ot", "p", "pt"):
         if name not in results["counted"]:
             continue
         c = results["counted"][name]
@@ -309,6 +319,11 @@ def duplicates(results: dict[str, Any], w: Write) -> None:
         f" hand-rolled: {d['handrolled_keys_executed']} keys,"
         f" double executions: {d['handrolled_double_executions']}"
     )
+    if d.get("floor_keys_executed"):
+        w(
+            f"  floor (p, pt): {d['floor_keys_executed']} keys,"
+            f" double executions: {d['floor_double_executions']}"
+        )
     if d.get("powertools_keys_executed"):
         w(
             f"  Powertools + Redis: {d['powertools_keys_executed']} keys,"

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,22 @@ SHOWN_SETTINGS = (
 )
 
 Log = Callable[[str], None]
+#: sizeof(sockaddr_un.sun_path) on Linux, the terminating NUL included
+SUN_PATH_SIZE = 108
+
+
+def unix_socket_url(directory: Path, port: int, database: str = DATABASE) -> str:
+    """The libpq URL of *database* over the Unix-domain socket ``<directory>/.s.PGSQL.<port>``;
+    BenchError if that path does not fit in a socket address."""
+    path = directory / f".s.PGSQL.{port}"
+    size = len(os.fsencode(path)) + 1
+    if size > SUN_PATH_SIZE:
+        raise BenchError(
+            f"--unix-socket: the socket path {path} is {size} bytes with its NUL, more than"
+            f" the {SUN_PATH_SIZE} a Unix socket address holds; use a shorter --workdir or TMPDIR"
+        )
+    host = urllib.parse.quote(str(directory), safe="/")  # libpq decodes %XX in parameters
+    return f"postgresql://postgres@/{database}?host={host}&port={port}"
 
 
 class Processes:
@@ -138,6 +155,15 @@ class Postgres:
     def pid(self) -> int | None:
         return self.server.pid
 
+    @property
+    def socket_dir(self) -> Path:
+        """Where the server's Unix-domain socket is (tests/pgserver.py)."""
+        return Path(self.server.socket_dir)
+
+    def unix_url(self) -> str:
+        """The bench database over the server's Unix-domain socket (see unix_socket_url)."""
+        return unix_socket_url(self.socket_dir, self.port)
+
     def start(self, log: Log) -> dict[str, str]:
         """Start the server, create the database; the settings it runs with."""
         log(f"starting PostgreSQL (durable: {DURABLE_SETTINGS}) in {self.server.datadir}")
@@ -178,7 +204,7 @@ class Postgres:
 
     def autovacuum(self, enabled: bool) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
-            for table in ("idempotency_keys", "handrolled_keys"):
+            for table in ("idempotency_keys", "handrolled_keys", "floor_keys"):
                 conn.execute(
                     sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = {})").format(
                         sql.Identifier(table), sql.SQL("true" if enabled else "false")
