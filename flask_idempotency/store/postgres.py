@@ -334,8 +334,7 @@ class PostgresStore:
         if jobs:
             params.update(stage_params(jobs))
         statement = self._finishes[notify, bool(jobs)]
-        runner = functools.partial(execute, commit=True) if commit else execute
-        rowcount, row = self._attempt(runner, statement, params, pinned, None)
+        rowcount, row = self.run(statement, params, pinned, commit=commit)
         return row[1] if rowcount == 1 and row is not None else None
 
     def notify(self, tenant: str, key: str) -> None:
@@ -392,9 +391,11 @@ class PostgresStore:
         pinned: PinnedConnection | None = None,
         *,
         prepare: bool | None = None,
+        commit: bool = False,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
-        its first row, if any.
+        its first row, if any. With *commit*, *pinned*'s transaction commits in the
+        same round trip.
 
         Every statement the package sends comes through here or :meth:`fetch`: the
         pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
@@ -405,7 +406,8 @@ class PostgresStore:
 
         :raises StoreError: the store failed.
         """
-        return self._attempt(execute, query, params, pinned, prepare)
+        runner = functools.partial(execute, commit=True) if commit else execute
+        return self._attempt(runner, query, params, pinned, prepare)
 
     def fetch(
         self,
