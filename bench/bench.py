@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     soak.add_argument("--soak-claims", type=int, default=3000, help="timed claims per table")
     soak.add_argument("--soak-minutes", type=float, default=20, help="minutes at full rate")
     soak.add_argument("--soak-ttl", type=int, default=60, help="IDEMPOTENCY_TTL at full rate")
+    soak.add_argument(
+        "--soak-probe-ttl",
+        type=int,
+        help="the prober's keys' TTL (default: --soak-ttl; longer shows a mix of TTLs)",
+    )
     soak.add_argument("--soak-clean-every", type=float, default=10, help="seconds between cleans")
     soak.add_argument("--soak-chunk", type=float, default=10, help="seconds per wrk chunk")
     soak.add_argument(
@@ -130,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     soak.add_argument("--soak-plot", default="docs/soak.png", help="the PNG (repository-relative)")
     args = p.parse_args(argv)
+    if args.soak_probe_ttl is None:
+        args.soak_probe_ttl = args.soak_ttl
     if args.soak and args.time_limit == 1200:  # the default: what the soak needs, and an hour
         args.time_limit = int(args.soak_minutes * 60 + 3600)
     if args.quick:

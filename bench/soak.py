@@ -21,6 +21,7 @@ time) to ``--soak-plot`` (default ``docs/soak.png``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,12 @@ SIZE = """
 SELECT pg_total_relation_size(relid), pg_relation_size(relid), n_live_tup, n_dead_tup
 FROM pg_stat_user_tables WHERE relname = %(t)s::text
 """
+#: each index of the keys table and its size, to tell which relation grows
+INDEX_SIZES = """
+SELECT c.relname::text, pg_relation_size(i.indexrelid)
+FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass(%(t)s)
+"""
 
 
 def log(message: str) -> None:
@@ -65,12 +73,15 @@ def log(message: str) -> None:
 
 
 class Prober:
-    """Claims (and finishes) new keys one at a time through the extension's store."""
+    """Claims (and finishes) new keys one at a time through the extension's store, kept
+    for *ttl* seconds like the app's (a longer TTL among short ones keeps pages of
+    ``created_idx`` alive: docs/performance.md)."""
 
-    def __init__(self, url: str, exec_dir: Path, prefix: str) -> None:
+    def __init__(self, url: str, exec_dir: Path, prefix: str, ttl: int) -> None:
         self.app = create_app(url, str(exec_dir))
         state = self.app.extensions["idempotency"]
-        self.store, self.terms = state.store, state.settings.route
+        terms = dataclasses.replace(state.settings.route, ttl=timedelta(seconds=ttl))
+        self.store, self.terms = state.store, terms
         self.prefix, self.n = prefix, 0
         self.fingerprint = fingerprint("POST", "/idempotent", MIMETYPE, BODY)
         self.response = StoredResponse(201, [("Content-Type", "application/json")], BODY)
@@ -134,7 +145,7 @@ def wait_for_quiet_disk(limit_bytes: int = 32 * 2**20, timeout: float = 180) -> 
 
 
 def phase_claims(args: argparse.Namespace, db: Postgres, exec_dir: Path) -> dict[str, Any]:
-    prober = Prober(db.url, exec_dir, f"probe-{uuid.uuid4().hex[:6]}")
+    prober = Prober(db.url, exec_dir, f"probe-{uuid.uuid4().hex[:6]}", args.soak_probe_ttl)
     try:
         empty = claim_latency(prober, args.soak_claims)
         log(f"empty table: claim p50 {empty['p50_ms']:.2f} ms, p99 {empty['p99_ms']:.2f} ms")
@@ -221,14 +232,27 @@ class Background:
         with psycopg.connect(self.db.url, autocommit=True) as conn:
             while True:
                 total, heap, live, dead = conn.execute(SIZE, {"t": TABLE}).fetchone() or (0,) * 4
+                indexes: dict[str, int] = dict(conn.execute(INDEX_SIZES, {"t": TABLE}).fetchall())
                 self.sizes.append(
-                    {"t": self.now(), "total": total, "heap": heap, "live": live, "dead": dead}
+                    {
+                        "t": self.now(),
+                        "total": total,
+                        "heap": heap,
+                        "live": live,
+                        "dead": dead,
+                        "indexes": indexes,
+                    }
                 )
                 if self.stopping.wait(5):
                     return
 
     def _prober(self) -> None:
-        prober = Prober(self.db.url, Path(self.env["BENCH_EXEC_DIR"]), f"sp-{uuid.uuid4().hex[:6]}")
+        prober = Prober(
+            self.db.url,
+            Path(self.env["BENCH_EXEC_DIR"]),
+            f"sp-{uuid.uuid4().hex[:6]}",
+            self.args.soak_probe_ttl,
+        )
         try:
             while not self.stopping.wait(0.05):
                 took = prober.claim()
@@ -370,8 +394,33 @@ def summarise_rate(chunks: list[dict[str, Any]], bg: Background) -> dict[str, An
         "p99_claim_while_cleaning_ms": percentile(during, 99) if during else None,
         "longest_claim_otherwise_ms": max(outside, default=None),
         "p99_claim_otherwise_ms": percentile(outside, 99) if outside else None,
+        "second_half_growth": second_half_growth(bg.sizes),
         "clean_seconds_max": max((c["end"] - c["start"] for c in bg.cleans), default=None),
         "clean_failures": sum(1 for c in bg.cleans if c["exit"] != 0),
+    }
+
+
+def second_half_growth(sizes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per relation (the heap, each index): its size at the half-way sample and at the
+    end, and what it grew in between, in MiB per minute (a plateau is about 0)."""
+    if len(sizes) < 2:
+        return {}
+    half = min(sizes, key=lambda s: abs(s["t"] - sizes[-1]["t"] / 2))
+    end = sizes[-1]
+    minutes = (end["t"] - half["t"]) / 60 or 1
+
+    def relations(sample: dict[str, Any]) -> dict[str, int]:
+        return {"heap": sample["heap"], **sample.get("indexes", {})}
+
+    at_half, at_end = relations(half), relations(end)
+    return {
+        name: {
+            "half_bytes": at_half[name],
+            "end_bytes": at_end[name],
+            "mib_per_minute": (at_end[name] - at_half[name]) / 2**20 / minutes,
+        }
+        for name in at_end
+        if name in at_half
     }
 
 

@@ -28,7 +28,8 @@ def report(results: dict[str, Any]) -> str:
     r = results["rate"]
     lines += [
         "",
-        f"full rate with IDEMPOTENCY_TTL={r['ttl']} s, flask idempotency-clean every"
+        f"full rate with IDEMPOTENCY_TTL={r['ttl']} s (the prober's keys:"
+        f" {results['options'].get('soak_probe_ttl', '24 h')} s), flask idempotency-clean every"
         f" {results['options']['soak_clean_every']} s, {len(r['chunks'])} chunks:",
         f"  requests {sum(ch['requests'] for ch in r['chunks']):,},"
         f" errors {sum(ch['errors_total'] for ch in r['chunks'])},"
@@ -38,6 +39,11 @@ def report(results: dict[str, Any]) -> str:
         f"  size (table + indexes): max in the first half {r['size_max_first_half'] / MIB:,.1f}"
         f" MiB, in the second half {r['size_max_second_half'] / MIB:,.1f} MiB,"
         f" at the end {r['size_end'] / MIB:,.1f} MiB",
+        *(
+            f"    {name}: {g['half_bytes'] / MIB:,.1f} MiB at half-time,"
+            f" {g['end_bytes'] / MIB:,.1f} MiB at the end ({g['mib_per_minute']:+.2f} MiB/min)"
+            for name, g in r.get("second_half_growth", {}).items()
+        ),
         f"  cleaner: {len(r['cleans'])} runs, longest {_f(r['clean_seconds_max'], 's')},"
         f" {r['clean_failures']} failed",
         f"  probe claims: {r['probe_claims']}, {r['probe_claims_while_cleaning']} while the"
@@ -72,6 +78,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         [(s["heap"] - r["sizes"][0]["heap"]) / MIB for s in r["sizes"]],
         label="table (heap) alone",
     )
+    first = r["sizes"][0].get("indexes", {}) if r["sizes"] else {}
+    for name in sorted(first):
+        size_ax.plot(
+            t,
+            [(s["indexes"].get(name, 0) - first[name]) / MIB for s in r["sizes"]],
+            lw=0.8,
+            label=name.removeprefix("idempotency_keys_"),
+        )
     size_ax.set_ylabel(f"MiB above the start\n({base / MIB:,.0f} MiB)")
     size_ax.legend(loc="lower right")
     size_ax.set_title(

@@ -120,12 +120,16 @@ def _apply(
     lost = _connection_lost(claim)
     committed = _end_transaction(claim, ending, span)
     if (ending.stored is not None and not committed) or lost:
-        # Nothing committed: the client must not be told the work was done, nor
-        # get a bare 500 for a database that went away under the view.
+        # Not known to be committed (a COMMIT that failed kept nothing; one whose
+        # connection went silent may have kept everything): the client must not be told
+        # the work was done, nor get a bare 500 for a database that went away under the
+        # view. Either way the retry is right: a replay, or the view's one run.
         return _problem_response(
             claim.settings.problem(
                 StoreUnavailable,
-                "The result could not be committed; nothing was done. Retry the request.",
+                "The result could not be confirmed as committed. Retry the request with"
+                " the same key: it gets the stored response if the work was kept, and"
+                " runs again only if it was not.",
                 retry_after=True,
             )
         )

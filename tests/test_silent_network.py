@@ -119,7 +119,7 @@ def test_a_transactional_view_whose_connection_dies_answers_503(
     answer = results["first"]
     body = problem(answer, 503, "store-unavailable")
     assert answer.headers["Retry-After"] == "1"
-    assert "nothing was done" in body["detail"]
+    assert "could not be confirmed as committed" in body["detail"]
     assert db.execute("SELECT count(*) FROM ledger WHERE key = %s", (key,)).fetchone() == (0,)
     retry = post(app.test_client(), "/ledger", key)
     assert retry.status_code == 201, retry.data

@@ -80,7 +80,10 @@ def test_a_failed_commit_answers_503_and_nothing_is_done(app: Flask, key: str, d
     with signals.store_unavailable.connected_to(lambda sender, **kw: failures.append(kw), app):
         answer = post(app.test_client(), "/ledger", key, {"amount": 5}, X_Fail="at-commit")
     body = problem(answer, 503, "store-unavailable")
-    assert "nothing was done" in body["detail"] and answer.headers["Retry-After"] == "1"
+    assert (
+        "could not be confirmed as committed" in body["detail"]
+        and answer.headers["Retry-After"] == "1"
+    )
     assert len(failures) == 1 and failures[0]["key"] == key
     # The view's writes, its constraint's rows and the key all rolled back together.
     assert ledger_rows(db, key) == 0 and key_rows(db, key) == 0
