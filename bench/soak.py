@@ -150,7 +150,10 @@ def phase_claims(args: argparse.Namespace, db: Postgres, exec_dir: Path) -> dict
         empty = claim_latency(prober, args.soak_claims)
         log(f"empty table: claim p50 {empty['p50_ms']:.2f} ms, p99 {empty['p99_ms']:.2f} ms")
         with psycopg.connect(db.url, autocommit=True) as conn:
-            conn.execute(f"DELETE FROM {TABLE}")  # the probes: the bulk keys start afresh
+            # The probes go, and their index entries with them: a dead entry left to the
+            # right of the load's range would make every bulk insert split a page in the
+            # middle (half-full pages: created_idx 77 MiB instead of 43 at 2 M keys).
+            conn.execute(f"TRUNCATE {TABLE}")
         load_seconds = bulk_load(db, args.soak_keys)
         with psycopg.connect(db.url) as conn:
             size = (conn.execute(SIZE, {"t": TABLE}).fetchone() or (0,))[0]
