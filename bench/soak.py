@@ -8,8 +8,9 @@
    ``IDEMPOTENCY_TTL = --soak-ttl`` on that same table, wrk sending new keys at full rate
    for ``--soak-minutes`` in chunks of ``--soak-chunk`` seconds (a p50/p99 per chunk),
    ``flask idempotency-clean`` every ``--soak-clean-every`` seconds, the table's size
-   (table + indexes + TOAST) sampled every 5 s, and a prober timing one claim every
-   50 ms, so that claims made while the cleaner runs are seen. Afterwards every key
+   (table + indexes + TOAST) and each relation's sampled every 5 s, and a prober timing
+   one claim every 50 ms (its keys kept ``--soak-probe-ttl`` seconds, the app's TTL
+   unless told), so that claims made while the cleaner runs are seen. Afterwards every key
    that ran its view more than once is a double execution. With ``--soak-workers`` the
    completer and the dispatcher of SPEC §9/§10 (``flask idempotency-complete --loop 1``,
    ``flask idempotency-dispatch --loop 1``) run beside them all along.
@@ -397,34 +398,31 @@ def summarise_rate(chunks: list[dict[str, Any]], bg: Background) -> dict[str, An
         "p99_claim_while_cleaning_ms": percentile(during, 99) if during else None,
         "longest_claim_otherwise_ms": max(outside, default=None),
         "p99_claim_otherwise_ms": percentile(outside, 99) if outside else None,
-        "second_half_growth": second_half_growth(bg.sizes),
+        "relations": halves(bg.sizes),
         "clean_seconds_max": max((c["end"] - c["start"] for c in bg.cleans), default=None),
         "clean_failures": sum(1 for c in bg.cleans if c["exit"] != 0),
     }
 
 
-def second_half_growth(sizes: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per relation (the heap, each index): its size at the half-way sample and at the
-    end, and what it grew in between, in MiB per minute (a plateau is about 0)."""
-    if len(sizes) < 2:
+def halves(sizes: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per relation (the heap, each index): its largest size in the first half of the run
+    and in the second (vacuum gives back the heap's last pages now and then, so a size
+    at one instant says little). A plateau: the second half no larger than the first."""
+    if not sizes:
         return {}
-    half = min(sizes, key=lambda s: abs(s["t"] - sizes[-1]["t"] / 2))
-    end = sizes[-1]
-    minutes = (end["t"] - half["t"]) / 60 or 1
+    mid = sizes[-1]["t"] / 2
 
     def relations(sample: dict[str, Any]) -> dict[str, int]:
         return {"heap": sample["heap"], **sample.get("indexes", {})}
 
-    at_half, at_end = relations(half), relations(end)
-    return {
-        name: {
-            "half_bytes": at_half[name],
-            "end_bytes": at_end[name],
-            "mib_per_minute": (at_end[name] - at_half[name]) / 2**20 / minutes,
-        }
-        for name in at_end
-        if name in at_half
-    }
+    out: dict[str, dict[str, int]] = {}
+    for sample in sizes:
+        half = "first_half_max" if sample["t"] < mid else "second_half_max"
+        for name, size in relations(sample).items():
+            entry = out.setdefault(name, {"start": size, "first_half_max": 0, "second_half_max": 0})
+            entry[half] = max(entry[half], size)
+            entry["end"] = size
+    return out
 
 
 def main(args: argparse.Namespace) -> int:

@@ -40,9 +40,12 @@ def report(results: dict[str, Any]) -> str:
         f" MiB, in the second half {r['size_max_second_half'] / MIB:,.1f} MiB,"
         f" at the end {r['size_end'] / MIB:,.1f} MiB",
         *(
-            f"    {name}: {g['half_bytes'] / MIB:,.1f} MiB at half-time,"
-            f" {g['end_bytes'] / MIB:,.1f} MiB at the end ({g['mib_per_minute']:+.2f} MiB/min)"
-            for name, g in r.get("second_half_growth", {}).items()
+            f"    {name}: {g['start'] / MIB:,.1f} MiB at the start,"
+            f" max {g['first_half_max'] / MIB:,.1f} in the first half,"
+            f" {g['second_half_max'] / MIB:,.1f} in the second"
+            f" ({(g['second_half_max'] - g['first_half_max']) / MIB:+.1f}),"
+            f" {g['end'] / MIB:,.1f} at the end"
+            for name, g in r.get("relations", {}).items()
         ),
         f"  cleaner: {len(r['cleans'])} runs, longest {_f(r['clean_seconds_max'], 's')},"
         f" {r['clean_failures']} failed",
@@ -69,7 +72,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     r = results["rate"]
-    fig, (size_ax, p99_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (size_ax, p99_ax) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     t = [s["t"] / 60 for s in r["sizes"]]
     base = r["sizes"][0]["total"] if r["sizes"] else 0
     size_ax.plot(t, [(s["total"] - base) / MIB for s in r["sizes"]], label="table + indexes")
@@ -87,10 +90,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
             label=name.removeprefix("idempotency_keys_"),
         )
     size_ax.set_ylabel(f"MiB above the start\n({base / MIB:,.0f} MiB)")
-    size_ax.legend(loc="lower right")
+    size_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     size_ax.set_title(
         f"{results['claims']['keys']:,} keys loaded, then full rate with IDEMPOTENCY_TTL="
-        f"{r['ttl']} s and idempotency-clean every {results['options']['soak_clean_every']} s",
+        f"{r['ttl']} s{_probe_ttl(results)} and idempotency-clean every"
+        f" {results['options']['soak_clean_every']} s",
         fontsize=10,
     )
     mid = [(ch["start"] + ch["end"]) / 120 for ch in r["chunks"]]
@@ -110,10 +114,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     p99_ax.set_ylabel("ms")
     p99_ax.set_xlabel("minutes (grey: idempotency-clean running)")
     p99_ax.set_yscale("log")
-    p99_ax.legend(loc="upper right")
+    p99_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
+
+
+def _probe_ttl(results: dict[str, Any]) -> str:
+    """ ", the prober's keys: N s" when they live longer than the app's (a mix of TTLs)."""
+    probe = results["options"].get("soak_probe_ttl")
+    return f" (the prober's keys: {probe} s)" if probe and probe != results["rate"]["ttl"] else ""
 
 
 def _median(values: list[float]) -> float:
