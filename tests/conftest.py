@@ -16,6 +16,7 @@ from pgserver import PostgresServer
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
+from tcpproxy import TcpProxy
 from testapp import create_app
 
 import flask_idempotency.store.postgres
@@ -94,6 +95,13 @@ def make_app(database_url: str) -> Iterator[Callable[..., Flask]]:
 @pytest.fixture
 def app(make_app: Callable[..., Flask]) -> Flask:
     return make_app()
+
+
+@pytest.fixture
+def proxy(database_url: str) -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the test database: counts round trips, partitions on demand."""
+    with TcpProxy.to_database(database_url) as running:
+        yield running
 
 
 @pytest.fixture

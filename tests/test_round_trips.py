@@ -8,7 +8,7 @@ sees the store's statements and, on ``/ledger``, the view's own INSERT."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from flask import Flask
@@ -18,12 +18,6 @@ from tcpproxy import TcpProxy
 
 WARM_UP = 12  # past psycopg's preparing of the view's own statement (5 runs)
 COUNTED = 20
-
-
-@pytest.fixture
-def proxy(database_url: str) -> Iterator[TcpProxy]:
-    with TcpProxy.to_database(database_url) as running:
-        yield running
 
 
 @pytest.fixture

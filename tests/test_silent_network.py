@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -25,12 +25,6 @@ from flask_idempotency import StoreError, current_idempotency
 
 DB = psycopg.Connection[TupleRow]
 TIMEOUT = 1.0  # IDEMPOTENCY_POOL_TIMEOUT and IDEMPOTENCY_STATEMENT_TIMEOUT in these tests
-
-
-@pytest.fixture
-def proxy(database_url: str) -> Iterator[TcpProxy]:
-    with TcpProxy.to_database(database_url) as running:
-        yield running
 
 
 @pytest.fixture

@@ -274,12 +274,6 @@ def test_the_claim_fails_with_the_store(
     assert NASTY_TENANT[:20] not in everything_said(claim)
 
 
-@pytest.fixture
-def proxy(database_url: str) -> Iterator[TcpProxy]:
-    with TcpProxy.to_database(database_url) as running:
-        yield running
-
-
 def test_the_finish_fails_with_the_store(
     make_app: Callable[..., Flask],
     proxy: TcpProxy,
