@@ -23,6 +23,13 @@ EXAMPLE_CONFIG = ROOT / "example" / "gunicorn.conf.py"
 EXAMPLE_APP = "example.app:create_app()"
 
 
+def count(db: DB, query: str, *params: Any) -> int:
+    """The one integer *query* answers (a ``count(*)``, a sum)."""
+    row = db.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
     """How many times a view ran for *key* (in *tenant*, or in any tenant)."""
     query = "SELECT count(*) FROM executions WHERE key = %s"

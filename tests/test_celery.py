@@ -19,13 +19,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from celery_app import make_apps
 from gunicorn_server import ROOT, TESTS
-from helpers import wait_until
+from helpers import count, wait_until
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from psycopg.rows import TupleRow
@@ -81,12 +80,6 @@ def worker(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
-
-
-def count(db: DB, query: str, *params: Any) -> int:
-    row = db.execute(query, params).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def key_status(db: DB, key: str) -> tuple[str, int] | None:

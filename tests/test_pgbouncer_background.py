@@ -22,6 +22,7 @@ import psycopg
 import pytest
 from e2e_app import create_tables, environment
 from flask import Flask
+from helpers import count
 from pgbouncer import PgBouncer
 from psycopg.rows import TupleRow
 
@@ -100,11 +101,6 @@ def together(count: int, work: Callable[[int], Any]) -> list[Any]:
 def switched(app: Flask) -> bool:
     """The app's store met a lost prepared statement and now sends them unprepared."""
     return app.extensions["idempotency"].store._prepare is False
-
-
-def count(db: DB, query: str, *params: Any) -> int:
-    row = db.execute(query, params).fetchone()
-    return int(row[0]) if row else 0
 
 
 def test_run_once_through_default_pgbouncer(

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from helpers import wait_until
+from helpers import count, wait_until
 from pgserver import PostgresServer
 
 from flask_idempotency import Idempotency, current_idempotency
@@ -59,23 +59,17 @@ def client_flushes(url: str) -> int:
     """WAL flushes (fsyncs) made by client backends so far (PostgreSQL 18's pg_stat_io),
     once every other client backend has exited (a backend reports its counters on exit)."""
     with psycopg.connect(url, autocommit=True) as conn:
-
-        def others() -> int:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
-            ).fetchone()
-            assert row is not None
-            return int(row[0])
-
-        wait_until(lambda: others() == 0)
+        others = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        )
+        wait_until(lambda: count(conn, others) == 0)
         conn.execute("SELECT pg_stat_force_next_flush()")
-        row = conn.execute(
+        return count(
+            conn,
             "SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io"
-            " WHERE object = 'wal' AND backend_type = 'client backend'"
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+            " WHERE object = 'wal' AND backend_type = 'client backend'",
+        )
 
 
 def flushes_per_key(url: str, path: str, **config: Any) -> float:

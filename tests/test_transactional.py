@@ -9,19 +9,13 @@ from datetime import timedelta
 import psycopg
 import pytest
 from flask import Flask
-from helpers import executions, lease_over, post, problem, wait_until
+from helpers import count, executions, lease_over, post, problem, wait_until
 from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 from flask_idempotency import signals
 
 DB = psycopg.Connection[TupleRow]
-
-
-def count(db: DB, query: str, *params: object) -> int:
-    row = db.execute(query, params).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def ledger_rows(db: DB, key: str) -> int:
