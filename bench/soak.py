@@ -380,32 +380,30 @@ def summarise_rate(chunks: list[dict[str, Any]], bg: Background) -> dict[str, An
 
     during = [ms for t, ms in bg.probes if cleaning(t)]
     outside = [ms for t, ms in bg.probes if not cleaning(t)]
-    half = [s["total"] for s in bg.sizes if s["t"] >= bg.sizes[-1]["t"] / 2] if bg.sizes else [0]
+    relations = halves(bg.sizes)
+    total = relations.get("total", {})
     return {
         "p99_first_fifth_ms": first,
         "p99_last_fifth_ms": last,
         "p99_drift": last / first - 1 if first else None,
-        "size_max_first_half": max(
-            (s["total"] for s in bg.sizes if s["t"] < bg.sizes[-1]["t"] / 2), default=0
-        )
-        if bg.sizes
-        else 0,
-        "size_max_second_half": max(half),
-        "size_end": bg.sizes[-1]["total"] if bg.sizes else 0,
+        "size_max_first_half": total.get("first_half_max", 0),
+        "size_max_second_half": total.get("second_half_max", 0),
+        "size_end": total.get("end", 0),
         "probe_claims": len(bg.probes),
         "probe_claims_while_cleaning": len(during),
         "longest_claim_while_cleaning_ms": max(during, default=None),
         "p99_claim_while_cleaning_ms": percentile(during, 99) if during else None,
         "longest_claim_otherwise_ms": max(outside, default=None),
         "p99_claim_otherwise_ms": percentile(outside, 99) if outside else None,
-        "relations": halves(bg.sizes),
+        "relations": relations,
         "clean_seconds_max": max((c["end"] - c["start"] for c in bg.cleans), default=None),
         "clean_failures": sum(1 for c in bg.cleans if c["exit"] != 0),
     }
 
 
 def halves(sizes: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per relation (the heap, each index): its largest size in the first half of the run
+    """Per relation (the table with its indexes as "total", the heap, each index): its
+    size at the start and the end, and its largest size in the first half of the run
     and in the second (vacuum gives back the heap's last pages now and then, so a size
     at one instant says little). A plateau: the second half no larger than the first."""
     if not sizes:
@@ -413,7 +411,7 @@ def halves(sizes: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     mid = sizes[-1]["t"] / 2
 
     def relations(sample: dict[str, Any]) -> dict[str, int]:
-        return {"heap": sample["heap"], **sample.get("indexes", {})}
+        return {"total": sample["total"], "heap": sample["heap"], **sample.get("indexes", {})}
 
     out: dict[str, dict[str, int]] = {}
     for sample in sizes:

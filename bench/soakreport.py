@@ -46,6 +46,7 @@ def report(results: dict[str, Any]) -> str:
             f" ({(g['second_half_max'] - g['first_half_max']) / MIB:+.1f}),"
             f" {g['end'] / MIB:,.1f} at the end"
             for name, g in r.get("relations", {}).items()
+            if name != "total"  # the line above
         ),
         f"  cleaner: {len(r['cleans'])} runs, longest {_f(r['clean_seconds_max'], 's')},"
         f" {r['clean_failures']} failed",
