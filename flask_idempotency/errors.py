@@ -38,11 +38,15 @@ class ConfigError(IdempotencyError, ValueError):
 class StoreError(IdempotencyError):
     """The store (PostgreSQL) could not be reached or failed; wraps the driver's error."""
 
-    def __init__(self, message: str, *, outage: bool = True) -> None:
+    def __init__(self, message: str, *, outage: bool = True, fail_open: bool | None = None) -> None:
         super().__init__(message)
         #: True: the database could not be reached or could not serve now (a retry
         #: may succeed); False: it refused the statement (a retry will not help)
         self.outage = outage
+        #: whether ``IDEMPOTENCY_FAIL_OPEN`` may run the view unprotected: only when the
+        #: database cannot be reached. Not for a database that answers but conflicts (a
+        #: deadlock) nor for a failed schema check: the key may be right there, completed.
+        self.fail_open = outage if fail_open is None else fail_open
 
 
 class EncryptionError(IdempotencyError, ValueError):

@@ -285,7 +285,7 @@ def _store_unavailable(
     retry.
     """
     tenant, key = identity.tenant, identity.key
-    fail_open = settings.fail_open and not transactional and exc.outage
+    fail_open = settings.fail_open and not transactional and exc.fail_open
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.store_unavailable.send(app, tenant=tenant, key=key, error=exc, fail_open=fail_open)
     if fail_open:

@@ -64,6 +64,9 @@ class Rerun:
     generation: int
     #: the batch's reservation of the key (its ``locked_until``): the takeover's fence
     reserved: datetime.datetime | None = None
+    #: the ``on_abandoned`` policy the key's claim recorded (None: an earlier release's
+    #: claim, which recorded none; the route's applies)
+    on_abandoned: str | None = None
     #: set by :meth:`begin`: the claim this run made, why it did not run the view,
     #: whether the key had changed meanwhile, or the store's failure
     outcome: ClaimOutcome | None = None
@@ -212,14 +215,20 @@ class Rerun:
         """Take the key over as a client retry would, or mark it unknown (an abandoned
         claim on a route with ``ON_ABANDONED = "unknown"``); None if it changed."""
         batches = state.batches
-        if self.status is KeyStatus.PROCESSING and settings.on_abandoned == "unknown":
+        on_abandoned = self.on_abandoned or settings.on_abandoned
+        if self.status is KeyStatus.PROCESSING and on_abandoned == "unknown":
             if not batches.mark_unknown(self.fence):
                 return None, None
             return ClaimOutcome(Decision.MARKED_UNKNOWN, attempt=self.attempt), None
         pinned = state.store.pin() if transactional else None
         try:
             row = batches.take_over(
-                self.fence, self.fingerprint, lease=settings.lease, ttl=settings.ttl, pinned=pinned
+                self.fence,
+                self.fingerprint,
+                lease=settings.lease,
+                ttl=settings.ttl,
+                on_abandoned=settings.on_abandoned,
+                pinned=pinned,
             )
         except BaseException:
             if pinned is not None:

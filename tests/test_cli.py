@@ -55,12 +55,12 @@ def test_clean_deletes_expired_and_releases_abandoned(
 
     dry = runner.invoke(args=["idempotency-clean", "--dry-run"])
     assert dry.exit_code == 0
-    assert "would delete 25 expired keys and mark 3 abandoned claims retryable" in dry.output
+    assert "would delete 25 expired keys and mark 3 abandoned claims (3 retryable, 0 unknown)" in dry.output
     assert db.execute("SELECT count(*) FROM cli_clean_keys").fetchone() == (33,)
 
     result = runner.invoke(args=["idempotency-clean", "--batch-size", "10"])
     assert result.exit_code == 0, result.output
-    assert "deleted 25 expired keys; marked 3 abandoned claims retryable" in result.output
+    assert "deleted 25 expired keys; marked 3 abandoned claims (3 retryable, 0 unknown)" in result.output
     counts = dict(
         db.execute("SELECT status, count(*) FROM cli_clean_keys GROUP BY status").fetchall()
     )

@@ -64,7 +64,7 @@ class Completer:
         return [self._report(self._run_row(row)) for row in rows]
 
     def _run_row(self, row: tuple[Any, ...]) -> Outcome:
-        tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row
+        tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row[:9]
         try:
             stored = self.batches.open_request(tenant, key, document, body)
         except ValueError as exc:
@@ -81,6 +81,7 @@ class Completer:
             attempt,
             generation,
             reserved,
+            on_abandoned=row[9],
         )
         report = Outcome(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
         if report.outcome in (SKIPPED, RACED) and rerun.outcome is None:

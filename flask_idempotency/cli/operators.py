@@ -88,34 +88,44 @@ def init_command() -> None:
 @with_appcontext
 def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float | None) -> None:
     maintenance = _maintenance()
-    route = get_state().settings.route
-    abandoned_status = KeyStatus.RETRYABLE if route.on_abandoned == "retry" else KeyStatus.UNKNOWN
+    # Only for claims of an earlier release, which recorded no policy: every other
+    # claim is marked as its route said when it was claimed (SPEC §16).
+    default = get_state().settings.route.on_abandoned
     grace = timedelta(seconds=margin)
     if dry_run:
         with one_line():
             expired = maintenance.count_expired()
-            abandoned = maintenance.count_abandoned(grace)
+            abandoned, unknown = maintenance.count_abandoned(grace, default)
         click.echo(
             f"dry run: would delete {expired} expired keys and mark {abandoned}"
-            f" abandoned claims {abandoned_status.value}"
+            f" abandoned claims ({_split(abandoned, unknown)})"
         )
         return
     app = current_app._get_current_object()  # type: ignore[attr-defined]
 
     def clean() -> Batch:
         deleted = _batches(lambda: maintenance.delete_expired(batch_size), batch_size)
-        marked = _batches(
-            lambda: maintenance.mark_abandoned(grace, abandoned_status, batch_size), batch_size
-        )
+        marked = unknown = 0
+        while True:
+            done, became_unknown = maintenance.mark_abandoned(grace, default, batch_size)
+            marked, unknown = marked + done, unknown + became_unknown
+            if done < batch_size:
+                break
         signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
         return Batch(
             [],
             f"deleted {deleted} expired keys; marked {marked} abandoned claims"
-            f" {abandoned_status.value}",
-            counts={"deleted": deleted, "marked": marked},
+            f" ({_split(marked, unknown)})",
+            counts={"deleted": deleted, "marked": marked, "marked_unknown": unknown},
         )
 
     run_batches("idempotency-clean", interval, clean)
+
+
+def _split(marked: int, unknown: int) -> str:
+    """How many marked claims became retryable and how many unknown (their routes'
+    ``on_abandoned``)."""
+    return f"{marked - unknown} {KeyStatus.RETRYABLE.value}, {unknown} {KeyStatus.UNKNOWN.value}"
 
 
 def _batches(run_batch: Callable[[], int], batch_size: int) -> int:

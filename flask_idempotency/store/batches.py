@@ -29,6 +29,7 @@ from .statements_background import (
     FAIL_JOBS,
     KEY_STATE,
     MARK_UNKNOWN,
+    MARK_UNKNOWN_DUE_BESIDE,
     NEXT_JOBS,
     RESCHEDULE,
     TAKE_OVER,
@@ -53,6 +54,7 @@ class Batches:
         self._mark_unknown = statement(MARK_UNKNOWN)
         self._key_state = statement(KEY_STATE)
         self._due_for_reconcile = statement(DUE_FOR_RECONCILE)
+        self._mark_unknown_due = statement(MARK_UNKNOWN_DUE_BESIDE)
         self._reschedule = statement(RESCHEDULE)
         self._due_jobs = statement(DUE_JOBS)
         self._delete_jobs = statement(DELETE_JOBS)
@@ -103,14 +105,20 @@ class Batches:
         *,
         lease: timedelta,
         ttl: timedelta,
+        on_abandoned: str,
         pinned: PinnedConnection | None = None,
     ) -> tuple[Any, ...] | None:
         """Take a reserved key over as a client retry would (the next attempt, fenced
-        by the reservation): ``(attempt, generation, recovery_point)``, or None if the
-        key changed meanwhile."""
+        by the reservation, recording the route's *on_abandoned* and *ttl* as a claim
+        does): ``(attempt, generation, recovery_point)``, or None if the key changed
+        meanwhile."""
         params = _fence_params(fence)
         params.update(
-            fingerprint=fingerprint, lease=lease, ttl=ttl, lock_id=lock_id(fence[0], fence[1])
+            fingerprint=fingerprint,
+            lease=lease,
+            ttl=ttl,
+            on_abandoned=on_abandoned,
+            lock_id=lock_id(fence[0], fence[1]),
         )
         return self.store.run(self._take_over, params, pinned)[1]
 
@@ -135,6 +143,8 @@ class Batches:
         """Reserve up to *limit* due ``unknown`` keys for *hold*: ``(tenant, key,
         attempt, generation, recovery_point, reconcile_attempts, request,
         request_body)`` each."""
+        retired = {"retired_unknown_index": self.store.schema.retired_unknown_index}
+        self.store.run(self._mark_unknown_due, retired)
         params = {"max_attempts": max_attempts, "limit": limit, "hold": hold}
         return self.store.fetch(self._due_for_reconcile, params).rows
 

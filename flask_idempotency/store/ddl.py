@@ -31,6 +31,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     reconcile_attempts integer NOT NULL DEFAULT 0,
     reconcile_due_at timestamptz,
     reconcile_error text,
+    on_abandoned text,
+    ttl_seconds real,
     PRIMARY KEY (tenant, key)
 ) WITH ({storage})
 """
@@ -60,6 +62,11 @@ UPGRADE_COLUMNS = (
     ("reconcile_attempts", "integer NOT NULL DEFAULT 0"),  # undecided looks so far
     ("reconcile_due_at", "timestamptz"),  # the next look (NULL: due now)
     ("reconcile_error", "text"),  # the last reconciler error
+    # the route's policy, recorded by the claim (SPEC §16): what the cleaner, the
+    # completer, the reconciler and the next request act on. NULL: claimed by an
+    # earlier release, which recorded none; the acting process's app-wide setting applies.
+    ("on_abandoned", "text"),  # 'retry' or 'unknown'
+    ("ttl_seconds", "real"),  # how long the key is kept once it has an answer
 )
 
 #: columns added to the jobs table since 0.1.0 (same rule: a catalog change only)

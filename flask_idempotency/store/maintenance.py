@@ -56,14 +56,21 @@ class Maintenance:
         """How many finished keys are past ``expires_at``."""
         return self._count(self.store.run(self._count_expired, {})[1])
 
-    def mark_abandoned(self, margin: timedelta, status: KeyStatus, batch_size: int) -> int:
-        """Mark one batch of claims whose lease ended more than *margin* ago."""
-        params = {"margin": margin, "status": status.value, "batch": batch_size}
-        return self.store.run(self._mark_abandoned, params)[0]
+    def mark_abandoned(
+        self, margin: timedelta, on_abandoned: str, batch_size: int
+    ) -> tuple[int, int]:
+        """Mark one batch of claims whose lease ended more than *margin* ago, each as the
+        ``on_abandoned`` policy its claim recorded says (*on_abandoned*, the app-wide
+        one, for a claim that recorded none): how many were marked, and how many of
+        them ``unknown`` (the others ``retryable``)."""
+        params = {"margin": margin, "on_abandoned": on_abandoned, "batch": batch_size}
+        return self._pair(self.store.run(self._mark_abandoned, params)[1])
 
-    def count_abandoned(self, margin: timedelta) -> int:
-        """How many claims have had their lease end more than *margin* ago."""
-        return self._count(self.store.run(self._count_abandoned, {"margin": margin})[1])
+    def count_abandoned(self, margin: timedelta, on_abandoned: str) -> tuple[int, int]:
+        """How many claims have had their lease end more than *margin* ago, and how many
+        of them :meth:`mark_abandoned` would mark ``unknown``."""
+        params = {"margin": margin, "on_abandoned": on_abandoned}
+        return self._pair(self.store.run(self._count_abandoned, params)[1])
 
     def list_keys(
         self,
@@ -136,7 +143,11 @@ class Maintenance:
     def count_stuck(self, max_attempts: int) -> tuple[int, int, int]:
         """Claims whose lease ran out, keys in ``unknown``, and the unknown keys that
         had *max_attempts* undecided reconciliation looks (exhausted)."""
-        _, row = self.store.run(self._count_stuck, {"max_attempts": max_attempts})
+        params = {
+            "max_attempts": max_attempts,
+            "retired_unknown_index": self.store.schema.retired_unknown_index,
+        }
+        _, row = self.store.run(self._count_stuck, params)
         assert row is not None
         return int(row[0]), int(row[1]), int(row[2])
 
@@ -155,3 +166,7 @@ class Maintenance:
     @staticmethod
     def _count(row: tuple[Any, ...] | None) -> int:
         return int(row[0]) if row else 0
+
+    @staticmethod
+    def _pair(row: tuple[Any, ...] | None) -> tuple[int, int]:
+        return (int(row[0]), int(row[1])) if row else (0, 0)

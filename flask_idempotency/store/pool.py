@@ -21,7 +21,7 @@ import psycopg
 from psycopg import errors
 from psycopg.abc import PQGen
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..config import Settings
 from ..errors import StoreError
@@ -32,6 +32,11 @@ logger = logging.getLogger("flask_idempotency")
 #: connection (08), resources (53), an operator or a timeout stopping it (57),
 #: system errors (58), and transaction conflicts a retry resolves (40)
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
+
+
+class StatementTimeout(psycopg.OperationalError):
+    """The database said nothing within ``IDEMPOTENCY_STATEMENT_TIMEOUT``: the
+    connection was closed (the statement may still have run)."""
 
 
 class BoundedConnection(psycopg.Connection[Any]):
@@ -51,7 +56,7 @@ class BoundedConnection(psycopg.Connection[Any]):
             return super().wait(gen, interval, timeout)
         except errors._WaitTimeout:
             self.pgconn.finish()  # the statement's answer may still come: never reuse
-            raise psycopg.OperationalError(
+            raise StatementTimeout(
                 f"the database did not answer within {self.io_timeout} s"
                 " (IDEMPOTENCY_STATEMENT_TIMEOUT); the connection was closed"
             ) from None
@@ -133,6 +138,27 @@ def is_outage(exc: BaseException) -> bool:
     return sqlstate[:2] in _TRANSIENT_CLASSES
 
 
+#: SQLSTATEs of a server that ended the connection: shut down, crashed or restarting
+_SHUTDOWN = ("57P01", "57P02", "57P03")
+
+
+def is_connection_lost(exc: BaseException | None) -> bool:
+    """True if *exc* says the connection died under the statement (a restart, a
+    failover, a dropped link) rather than that the database is silent or refused it:
+    another connection, now or in a moment, may serve the same statement.
+
+    Not a statement that timed out (another try would outlast the bound), nor a pool
+    that had no connection to give (it waited its whole timeout already)."""
+    if isinstance(exc, (StatementTimeout, PoolTimeout)) or not isinstance(exc, psycopg.Error):
+        return False
+    sqlstate = exc.sqlstate or ""
+    if sqlstate in _SHUTDOWN or sqlstate.startswith("08"):
+        return True
+    # libpq's own words for a socket that closed ("server closed the connection
+    # unexpectedly", "the connection is lost"): no SQLSTATE
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and not sqlstate
+
+
 def is_driver_outage(exc: BaseException) -> bool:
     """True if *exc* is the driver's (a view's own statement on the claim's
     connection) and says the database cannot be reached or cannot serve now."""
@@ -170,4 +196,8 @@ def store_errors() -> Iterator[None]:
     try:
         yield
     except psycopg.Error as exc:
-        raise StoreError(one_line(exc), outage=is_outage(exc)) from exc
+        outage = is_outage(exc)
+        # a conflict (class 40: a deadlock, a serialization failure) comes from a
+        # database that answers: never a reason to run a view unprotected
+        conflict = (getattr(exc, "sqlstate", None) or "").startswith("40")
+        raise StoreError(one_line(exc), outage=outage, fail_open=outage and not conflict) from exc

@@ -15,6 +15,8 @@ import functools
 import logging
 import os
 import threading
+import time
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -33,13 +35,15 @@ from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
 from .pool import (
     bounded,
+    connection_parameters,
+    is_connection_lost,
     is_prepared_statement_failure,
     open_pool,
     store_errors,
     warn_unprepared,
 )
 from .rows import claim_outcome
-from .schema import Schema
+from .schema import Schema, SchemaBusy
 from .sealing import AtRest, refused
 from .statement import Rows, Statement, execute, fetch
 from .statements_request import (
@@ -49,6 +53,7 @@ from .statements_request import (
     CLAIM,
     DEFER,
     FINISH,
+    FINISHED,
     KEY_STATUS,
     STAGE_JOBS,
 )
@@ -58,6 +63,10 @@ __all__ = ["PinnedConnection", "PostgresStore", "store_errors"]
 logger = logging.getLogger("flask_idempotency")
 
 _T = TypeVar("_T")
+
+#: the least time a statement sent again (after its connection died) may take: a try
+#: late in the bound still gets a fair chance
+_LEAST_STATEMENT_SECONDS = 0.5
 
 
 @dataclasses.dataclass
@@ -84,6 +93,10 @@ class PostgresStore:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid = 0
         self._schema_ready = False
+        #: the background build of the indexes a table lacks (:meth:`_start_builder`)
+        self._builder: threading.Thread | None = None
+        self._builder_stop = threading.Event()
+        self._building: psycopg.Connection[Any] | None = None
         #: ``prepare=`` of every statement: None (prepared, per the connection's
         #: threshold) until a transaction pooler loses one, then False (never)
         self._prepare: bool | None = None if settings.prepared_statements else False
@@ -132,6 +145,7 @@ class PostgresStore:
             for staging in (False, True)
         }
         self._key_status = self.statement(KEY_STATUS)
+        self._finished = self.statement(FINISHED)
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
@@ -165,24 +179,25 @@ class PostgresStore:
         conninfo = self.pool.conninfo
         return conninfo() if callable(conninfo) else conninfo
 
-    def _checkout(self) -> psycopg.Connection[Any]:
-        """A connection from the pool, once the schema is there; StoreError if none comes."""
+    def _checkout(self, timeout: float | None = None) -> psycopg.Connection[Any]:
+        """A connection from the pool (within *timeout*, else the pool's), once the
+        schema is there; StoreError if none comes."""
         pool = self.pool
         if not self._schema_ready and self.settings.create_table:
             self._ensure_schema(pool)
         with store_errors():
-            conn: psycopg.Connection[Any] = pool.getconn()
+            conn: psycopg.Connection[Any] = pool.getconn(timeout)
         if self._prepare is False and self._given_pool is None:
             conn.prepare_threshold = None  # the view's statements too, when it gets conn
         return conn
 
     @contextmanager
-    def _pooled(self) -> Iterator[psycopg.Connection[Any]]:
+    def _pooled(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
         """A pooled connection for one statement (:meth:`_execute` bounds it); store
         failures become StoreError. Nothing else gets a connection of the pool but
         :meth:`pin` (a transaction whose statements go through :meth:`run`) and
         :meth:`phase` (the view's own block)."""
-        conn = self._checkout()
+        conn = self._checkout(timeout)
         # getconn/putconn, not pool.connection(): in autocommit there is nothing to end
         try:
             with store_errors():
@@ -193,7 +208,14 @@ class PostgresStore:
             self.pool.putconn(conn)
 
     def close(self) -> None:
-        """Close the pool this store opened (a pool passed in is the caller's to close)."""
+        """Close the pool this store opened (a pool passed in is the caller's to close),
+        and stop a background index build (cancelled: the next start builds it again)."""
+        builder, building = self._builder, self._building
+        if builder is not None and builder.is_alive():
+            self._builder_stop.set()
+            if building is not None:
+                building.cancel_safe()
+            builder.join(5)
         with self._lock:
             if self._pool is not None and self._pool_pid == os.getpid():
                 self._pool.close()
@@ -202,21 +224,80 @@ class PostgresStore:
     # -- schema --------------------------------------------------------------------
 
     def _ensure_schema(self, pool: ConnectionPool[Any]) -> None:
+        """The first statement's schema check: the tables and columns this release
+        needs, made if missing, within ``IDEMPOTENCY_POOL_TIMEOUT +
+        IDEMPOTENCY_STATEMENT_TIMEOUT``; the indexes a table lacks are built by a
+        background thread while the process serves (:meth:`Schema.prepare`).
+
+        :raises StoreError: the check or a step failed, never an error that may fail
+            open: the schema is not known to be there.
+        """
         with self._lock:
             if self._schema_ready:
                 return
-            with store_errors(), pool.connection() as conn:
-                with bounded(conn, self.settings.statement_timeout):
-                    self.schema.create(conn)
+            settings = self.settings
+            deadline = time.monotonic() + settings.pool_timeout + settings.statement_timeout
+            try:
+                with store_errors(), pool.connection(settings.pool_timeout) as conn:
+                    with bounded(conn, settings.statement_timeout):
+                        build = self.schema.prepare(conn, deadline)
+            except (StoreError, SchemaBusy) as exc:
+                raise StoreError(
+                    f"the schema check of table {self.schema.name} failed: {exc}", fail_open=False
+                ) from exc
             self._schema_ready = True
+            if build:
+                self._start_builder()
+
+    def _start_builder(self) -> None:
+        """Build what the tables lack (indexes, settings) on a connection of its own, in a
+        daemon thread: nobody waits on it, and another process may be doing it."""
+        if self._builder is not None and self._builder.is_alive():
+            return
+        self._builder_stop = threading.Event()
+        self._builder = threading.Thread(
+            target=self._build,
+            args=(self.conninfo, self._builder_stop),
+            name="flask-idempotency-schema",
+            daemon=True,
+        )
+        self._builder.start()
+
+    def _build(self, conninfo: str, stop: threading.Event) -> None:
+        try:
+            params = connection_parameters(self.settings)
+            with psycopg.connect(conninfo, autocommit=True, **params) as conn:
+                self._building = conn
+                self.schema.build(conn, stop)
+        except Exception as exc:  # logged: the next process start tries again
+            if not stop.is_set():
+                logger.error(
+                    "building the indexes of table %s failed: %s (the next process start,"
+                    " or flask idempotency-init, builds them)",
+                    self.schema.name,
+                    " ".join(str(exc).split()),
+                )
+        finally:
+            self._building = None
+
+    def wait_for_schema(self, timeout: float) -> bool:
+        """Wait until the background build of the tables' indexes (if any) ended; True
+        if it did within *timeout* seconds."""
+        builder = self._builder
+        if builder is not None:
+            builder.join(timeout)
+            return not builder.is_alive()
+        return True
 
     def create_schema(self) -> bool:
-        """Create the tables, or upgrade tables made by an earlier release online;
-        False if they were there already (``flask idempotency-init``).
+        """Create the tables, or upgrade tables made by an earlier release online,
+        dropping the indexes it retired; False if they were there already (``flask
+        idempotency-init``).
 
         Not bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT``: an index built concurrently
         on a big table takes as long as it takes; its waits on locks are bounded by
-        the schema's own ``lock_timeout``.
+        the schema's own ``lock_timeout``. It waits while another process changes the
+        schema.
         """
         with self.pool.connection() as conn:
             return self.schema.create(conn)
@@ -264,7 +345,7 @@ class PostgresStore:
             "lock_id": lock_id(tenant, key),
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
-            "on_abandoned": "taken_over" if terms.on_abandoned == "retry" else "marked_unknown",
+            "on_abandoned": terms.on_abandoned,
             **stored,
         }
         statement = self._claim if pinned is None else self._claim_pinned_statement
@@ -335,7 +416,14 @@ class PostgresStore:
             params.update(stage_params(jobs))
         statement = self._finishes[notify, bool(jobs)]
         rowcount, row = self.run(statement, params, pinned, commit=commit)
-        return row[1] if rowcount == 1 and row is not None else None
+        if rowcount == 1 and row is not None:
+            return typing.cast(datetime, row[1])
+        if pinned is None and status is KeyStatus.COMPLETED:
+            # Sent again after its connection died (:meth:`_attempt`), a finish that had
+            # committed finds its own answer: that is this attempt's, not a newer one's.
+            _, row = self.run(self._finished, params)
+            return None if row is None else typing.cast(datetime, row[0])
+        return None
 
     def notify(self, tenant: str, key: str) -> None:
         """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""
@@ -431,12 +519,31 @@ class PostgresStore:
         pinned: PinnedConnection | None,
         prepare: bool | None,
     ) -> _T:
-        try:
+        """Run *query*; on a pooled connection, again where that is known to be safe:
+        once after a failure that ran nothing (:meth:`_recoverable`), and on another
+        connection while the one it was sent on died under it (a restart, a failover:
+        the pool's other connections may be dead too), until ``IDEMPOTENCY_POOL_TIMEOUT
+        + IDEMPOTENCY_STATEMENT_TIMEOUT`` from the start. Every statement sent this way
+        is its own transaction and is fenced or read-only, so one that had run before
+        its connection died changes nothing the second time (a finish says so:
+        :meth:`finish`). A pinned connection's transaction died with it: never again."""
+        if pinned is not None:
             return self._execute(runner, query, params, pinned, prepare)
-        except StoreError as exc:
-            if pinned is not None or not self._recoverable(exc.__cause__):
-                raise
-        return self._execute(runner, query, params, None, prepare)
+        settings = self.settings
+        deadline = time.monotonic() + settings.pool_timeout + settings.statement_timeout
+        recovered = False
+        timeout: float | None = None  # the first try: the pool's and the statement's own
+        while True:
+            try:
+                return self._execute(runner, query, params, None, prepare, timeout)
+            except StoreError as exc:
+                if not recovered and self._recoverable(exc.__cause__):
+                    recovered = True
+                    continue
+                timeout = deadline - time.monotonic()
+                if timeout <= 0 or not is_connection_lost(exc.__cause__):
+                    raise
+                logger.warning("a connection died under a statement (%s): sending it again", exc)
 
     def _execute(
         self,
@@ -445,15 +552,23 @@ class PostgresStore:
         params: dict[str, Any],
         pinned: PinnedConnection | None,
         prepare: bool | None,
+        timeout: float | None = None,
     ) -> _T:
-        with self._connection_for(pinned) as conn:
-            with bounded(conn, self.settings.statement_timeout):
+        """Run *query* once; with *timeout*, the wait for a connection and the statement
+        together take at most that much longer than a moment."""
+        seconds = self.settings.statement_timeout
+        if timeout is not None:
+            seconds = min(seconds, max(timeout, _LEAST_STATEMENT_SECONDS))
+        with self._connection_for(pinned, timeout) as conn:
+            with bounded(conn, seconds):
                 return runner(conn, query, params, False if prepare is False else self._prepare)
 
     @contextmanager
-    def _connection_for(self, pinned: PinnedConnection | None) -> Iterator[psycopg.Connection[Any]]:
+    def _connection_for(
+        self, pinned: PinnedConnection | None, timeout: float | None
+    ) -> Iterator[psycopg.Connection[Any]]:
         if pinned is None:
-            with self._pooled() as conn:
+            with self._pooled(timeout) as conn:
                 yield conn
         else:
             with store_errors():

@@ -1,17 +1,32 @@
 """The tables and their indexes: names, what exists, creating them, upgrading them online.
 
-``flask idempotency-init`` and the first request of a process run the same code,
-:meth:`Schema.create`: a missing table is created; a table made by an earlier release
-is upgraded by :attr:`Schema.steps`, each step online: ``ADD COLUMN`` without a
-volatile default (a catalog change) under a short ``lock_timeout``, retried, so it
-never queues claims behind a long transaction; ``CREATE INDEX CONCURRENTLY`` outside
-any transaction. A later feature adds its own :class:`Step`.
+A missing table is created; a table made by an earlier release is upgraded by
+:attr:`Schema.steps`, each step online: ``ADD COLUMN`` without a volatile default (a
+catalog change) under a short ``lock_timeout``, retried, so it never queues claims
+behind a long transaction; ``CREATE INDEX CONCURRENTLY`` outside any transaction. A
+later feature adds its own :class:`Step`, of one of three kinds:
+
+- :data:`SERVE`: this release cannot serve without it (tables, columns: a moment's
+  catalog change). A process's first request makes them (:meth:`Schema.prepare`).
+- :data:`BUILD`: this release serves better with it (indexes built concurrently,
+  storage settings). The first request leaves them to a background thread
+  (:meth:`Schema.build`) and is served at once, on the layout that is there.
+- :data:`RETIRE`: an earlier release's indexes, which that release needs while it
+  still serves beside this one: only ``flask idempotency-init`` drops them
+  (:meth:`Schema.create`, which runs every kind).
+
+One process at a time changes the schema of a table, holding a session advisory lock.
+No process ever *waits* for that lock inside a statement: a waiting statement holds a
+snapshot, a ``CREATE INDEX CONCURRENTLY`` of the holder waits for every older snapshot,
+and PostgreSQL would call it a deadlock. A process that wants the lock asks with
+``pg_try_advisory_lock`` (a statement of a moment) and asks again after a pause.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +63,23 @@ logger = logging.getLogger("flask_idempotency")
 LOCK_TIMEOUT_SECONDS = 1.0
 #: how many times it tries
 LOCK_TRIES = 60
+#: the pause between two asks for the schema lock, on the request path (short: a first
+#: request waits for it) and in the background
+POLL_SECONDS = 0.05
+BUILD_POLL_SECONDS = 0.5
+
+#: the kinds of :class:`Step` (see the module's docstring)
+SERVE, BUILD, RETIRE = "serve", "build", "retire"
+ALL_KINDS = frozenset({SERVE, BUILD, RETIRE})
+
+#: another process creates the same shared table at the same moment (``CREATE TABLE IF
+#: NOT EXISTS`` is not safe against that): it exists now
+_CREATED_MEANWHILE = (errors.UniqueViolation, errors.DuplicateTable, errors.DuplicateObject)
+
+
+class SchemaBusy(Exception):
+    """Another process held the schema lock (or a table's lock) for longer than a first
+    request may wait; nothing was changed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +108,8 @@ class Step:
     needed: Callable[[SchemaState], bool]
     #: runs on an autocommit connection, outside any transaction
     apply: Callable[[psycopg.Connection[Any]], None]
+    #: :data:`SERVE`, :data:`BUILD` or :data:`RETIRE`
+    kind: str = SERVE
 
 
 class Schema:
@@ -128,24 +162,43 @@ class Schema:
         #: the steps the last :meth:`create` ran on an existing table
         self.upgraded: list[str] = []
         #: the upgrade of a table made by an earlier release, in order
+        #: the to_regclass name of an earlier release's index of unknown keys: while it
+        #: exists, such a release may serve beside this one and make unknown keys
+        #: without ``reconcile_due_at`` (statements_background.MARK_UNKNOWN_DUE)
+        self.retired_unknown_index = self._regclass[f"{name}_unknown_idx"]
+        self._jobs_lock = lock_id("schema", jobs_table)
         self.steps: list[Step] = [
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
             Step("jobs columns", self._lacks_job_columns, self._add_job_columns),
-            Step("ordered jobs", self._lacks_job_order, self._add_job_order),
+            Step("ordered jobs", self._lacks_job_seq, self._add_job_seq),
             Step("audit and heartbeats tables", self._lacks_console, self._create_console),
-            Step("autovacuum settings", self._lacks_storage, self._set_storage),
+            Step("ordered jobs index", self._lacks_job_order, self._add_job_order, BUILD),
+            Step("autovacuum settings", self._lacks_storage, self._set_storage, BUILD),
             *(
-                Step(f"index {index}", self._lacks_index(index), self._index_builder(index))
+                Step(f"index {index}", self._lacks_index(index), self._index_builder(index), BUILD)
                 for index in self.indexes
             ),
             # before the old unknown_idx goes: it finds the rows to mark
-            Step("unknown keys due", self._has_index(f"{name}_unknown_idx"), self._mark_unknown),
+            Step(
+                "unknown keys due",
+                self._has_index(f"{name}_unknown_idx"),
+                self._mark_unknown,
+                RETIRE,
+            ),
             *(
-                Step(f"drop index {index}", self._has_index(index), self._index_dropper(index))
+                Step(
+                    f"drop index {index}",
+                    self._has_index(index),
+                    self._index_dropper(index),
+                    RETIRE,
+                )
                 for index in self.retired
             ),
         ]
+        #: on the request path: when the lock-polling gives up, and the ``ADD COLUMN``
+        #: retries with it (None: ``flask idempotency-init``, which waits as long as needed)
+        self._deadline: float | None = None
 
     # -- looking -------------------------------------------------------------------
 
@@ -169,34 +222,87 @@ class Schema:
         )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
-        """True if every table, column and index exists (and every index is valid)."""
+        """True if every table, column and index exists (and every index is valid), and
+        no earlier release's index is left."""
         return not self._work(self.state(conn))
 
-    def _work(self, state: SchemaState) -> list[Step]:
-        return [step for step in self.steps if step.needed(state)]
+    def _work(self, state: SchemaState, kinds: frozenset[str] = ALL_KINDS) -> list[Step]:
+        return [step for step in self.steps if step.kind in kinds and step.needed(state)]
+
+    def _missing(self, state: SchemaState) -> bool:
+        return self._regclass["table"] in state.missing
 
     # -- creating and upgrading ----------------------------------------------------
 
     def create(self, conn: psycopg.Connection[Any]) -> bool:
-        """Create the tables and indexes, or upgrade a table made by an earlier release;
-        True if DDL ran. Safe to run from several processes at once.
+        """Create the tables and indexes, or upgrade a table made by an earlier release,
+        dropping that release's indexes (``flask idempotency-init``: every kind of
+        step); True if DDL ran. Safe to run from several processes at once: it waits
+        (asking again and again) while another process changes the schema.
 
         Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
         when the index exists, which would queue behind live claims.
         """
         self.upgraded = []
+        self._deadline = None
         if self.present(conn):
             return False
-        with _autocommit(conn), self._exclusive(conn):
+        with _autocommit(conn), self._exclusive(conn, None):
+            return self._apply(conn, self.state(conn), ALL_KINDS)
+
+    def prepare(self, conn: psycopg.Connection[Any], deadline: float) -> bool:
+        """What a process's first request needs: the tables and columns this release
+        reads and writes (:data:`SERVE` steps), made now if they are missing; True if
+        :data:`BUILD` steps remain for :meth:`build`. Never drops anything.
+
+        :raises SchemaBusy: another process held the lock past *deadline*
+            (``time.monotonic()``) while this one still needed a step.
+        """
+        self.upgraded = []
+        self._deadline = deadline
+        with _autocommit(conn):
             state = self.state(conn)
-            if self._regclass["table"] in state.missing:
-                self._create_all(conn)
+            if self._missing(state) or self._work(state, frozenset({SERVE})):
+                with self._exclusive(conn, deadline):
+                    self._apply(conn, self.state(conn), frozenset({SERVE}))
+                state = self.state(conn)
+            return bool(self._work(state, frozenset({BUILD})))
+
+    def build(self, conn: psycopg.Connection[Any], stop: threading.Event) -> None:
+        """The :data:`BUILD` steps (indexes built concurrently, storage settings), on a
+        connection of their own, outside any request: until none is needed (another
+        process may have done them) or *stop* is set. Never drops anything."""
+        self._deadline = None
+        with _autocommit(conn):
+            while not stop.is_set():
+                if not self._work(self.state(conn), frozenset({BUILD})):
+                    return
+                if _try_lock(conn, self._lock):
+                    try:
+                        self._apply(conn, self.state(conn), frozenset({BUILD}), stop)
+                    finally:
+                        _unlock(conn, self._lock)
+                else:
+                    stop.wait(BUILD_POLL_SECONDS)
+
+    def _apply(
+        self,
+        conn: psycopg.Connection[Any],
+        state: SchemaState,
+        kinds: frozenset[str],
+        stop: threading.Event | None = None,
+    ) -> bool:
+        """Run the needed steps of *kinds* (holding the schema lock); True if DDL ran."""
+        if self._missing(state):
+            self._create_all(conn)
+            return True
+        work = self._work(state, kinds)
+        for step in work:
+            if stop is not None and stop.is_set():
                 return True
-            work = self._work(state)
-            for step in work:
-                logger.info("upgrading table %s: %s", self.name, step.name)
-                step.apply(conn)
-                self.upgraded.append(step.name)
+            logger.info("upgrading table %s: %s", self.name, step.name)
+            step.apply(conn)
+            self.upgraded.append(step.name)
         if work:
             logger.info("upgraded table %s: %s", self.name, ", ".join(s.name for s in work))
         return bool(work)
@@ -208,24 +314,26 @@ class Schema:
             for index, definition in self.indexes.items():
                 conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
         self._create_jobs(conn)
-        self._add_job_order(conn)
         self._create_console(conn)
         logger.info("created table %s and its indexes", self.name)
 
+    @property
+    def _lock(self) -> int:
+        return lock_id("schema", self.name)
+
     @contextmanager
-    def _exclusive(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
-        """One process at a time creates or upgrades (the others wait, then find it done).
+    def _exclusive(self, conn: psycopg.Connection[Any], deadline: float | None) -> Iterator[None]:
+        """One process at a time creates or upgrades a table (the others ask again, then
+        find it done), until *deadline* (None: for as long as it takes).
 
         A session-level lock, because ``CREATE INDEX CONCURRENTLY`` cannot run in a
         transaction; released in any case, and with the connection if it breaks.
         """
-        lock = lock_id("schema", self.name)
-        conn.execute("SELECT pg_advisory_lock(%s)", [lock], prepare=False)
+        _poll_lock(conn, self._lock, deadline, f"table {self.name}")
         try:
             yield
         finally:
-            if not conn.closed and not conn.broken:
-                conn.execute("SELECT pg_advisory_unlock(%s)", [lock], prepare=False)
+            _unlock(conn, self._lock)
 
     # -- the steps -------------------------------------------------------------------
 
@@ -258,7 +366,8 @@ class Schema:
 
     def _alter(self, conn: psycopg.Connection[Any], alter: sql.Composed) -> None:
         """Run *alter* under a short lock timeout, trying again while a long
-        transaction holds the table, rather than queueing every claim behind it."""
+        transaction holds the table, rather than queueing every claim behind it (on
+        the request path, until its deadline)."""
         for tries_left in range(LOCK_TRIES - 1, -1, -1):
             try:
                 with conn.transaction():
@@ -267,7 +376,8 @@ class Schema:
                     conn.execute(alter, prepare=False)
                 return
             except errors.LockNotAvailable:
-                if not tries_left:
+                late = self._deadline is not None and time.monotonic() > self._deadline
+                if not tries_left or late:
                     raise
                 logger.warning(
                     "upgrading table %s: a long transaction holds it; trying again", self.name
@@ -278,13 +388,18 @@ class Schema:
         return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)
 
     def _create_jobs(self, conn: psycopg.Connection[Any]) -> None:
-        with conn.transaction():
+        # Shared by every app of the database: another app may create it right now.
+        # With its index of ordered jobs, built at once on the new (empty) table.
+        order_index = sql.Identifier(self._jobs_order_index)
+        with _unless_created_meanwhile(), conn.transaction():
             conn.execute(
                 sql.SQL(JOBS_SCHEMA).format(
                     jobs=self.jobs, jobs_due_index=sql.Identifier(self._jobs_index)
                 ),
                 prepare=False,
             )
+            create = sql.SQL(CREATE_INDEX).format(name=order_index)
+            conn.execute(create + sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs), prepare=False)
 
     def _lacks_job_columns(self, state: SchemaState) -> bool:
         if self._regclass["jobs"] in state.missing:
@@ -299,28 +414,46 @@ class Schema:
         ]
         self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.jobs) + sql.SQL(", ").join(parts))
 
+    def _lacks_job_seq(self, state: SchemaState) -> bool:
+        if self._regclass["jobs"] in state.missing:
+            return False  # the jobs table step creates it with it
+        return "seq" not in state.job_columns
+
+    def _add_job_seq(self, conn: psycopg.Connection[Any]) -> None:
+        """The ``seq`` column of ordered jobs (a catalog change, under a short lock timeout)."""
+        self._alter(conn, sql.SQL(JOBS_SEQ_COLUMN).format(jobs=self.jobs))
+
     def _lacks_job_order(self, state: SchemaState) -> bool:
         index = self._jobs_order_index
         return self._regclass["jobs_order_index"] in state.missing or index in state.invalid
 
     def _add_job_order(self, conn: psycopg.Connection[Any]) -> None:
-        """The ``seq`` column (a catalog change, under a short lock timeout) and its
-        index, built concurrently (a failed build's invalid index dropped first)."""
-        self._alter(conn, sql.SQL(JOBS_SEQ_COLUMN).format(jobs=self.jobs))
-        index = sql.Identifier(self._jobs_order_index)
-        schema = self._jobs_schema
-        qualified = sql.Identifier(schema, self._jobs_order_index) if schema else index
-        conn.execute(sql.SQL(DROP_INDEX_CONCURRENTLY).format(name=qualified), prepare=False)
-        create = sql.SQL(CREATE_INDEX_CONCURRENTLY).format(name=index)
-        conn.execute(create + sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs), prepare=False)
+        """The ``seq`` column and its index, built concurrently (a failed build's invalid
+        index dropped first). The jobs table is shared by every app of the database:
+        one process of them at a time builds it (two concurrent builds of one table
+        would wait for each other)."""
+        self._add_job_seq(conn)
+        _poll_lock(conn, self._jobs_lock, self._deadline, "the jobs table")
+        try:
+            if not self._lacks_job_order(self.state(conn)):
+                return  # another app's process built it meanwhile
+            index = sql.Identifier(self._jobs_order_index)
+            schema = self._jobs_schema
+            qualified = sql.Identifier(schema, self._jobs_order_index) if schema else index
+            conn.execute(sql.SQL(DROP_INDEX_CONCURRENTLY).format(name=qualified), prepare=False)
+            create = sql.SQL(CREATE_INDEX_CONCURRENTLY).format(name=index)
+            conn.execute(create + sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs), prepare=False)
+        finally:
+            _unlock(conn, self._jobs_lock)
 
     def _lacks_console(self, state: SchemaState) -> bool:
         names = ("audit", "audit_index", "heartbeats")
         return bool({self._regclass[name] for name in names} & state.missing)
 
     def _create_console(self, conn: psycopg.Connection[Any]) -> None:
-        # New tables only: nothing else waits on them.
-        with conn.transaction():
+        # New tables only: nothing else waits on them. Shared by every app of the
+        # database: another app may create them right now.
+        with _unless_created_meanwhile(), conn.transaction():
             audit = sql.SQL(AUDIT_SCHEMA).format(
                 audit=self.audit, audit_key_index=sql.Identifier(self._audit_index)
             )
@@ -366,6 +499,42 @@ class Schema:
         else:
             name = sql.Identifier(index)
         return sql.SQL(head).format(name=name) + sql.SQL(definition).format(table=self.table)
+
+
+def _try_lock(conn: psycopg.Connection[Any], lock: int) -> bool:
+    row = conn.execute("SELECT pg_try_advisory_lock(%s)", [lock], prepare=False).fetchone()
+    return bool(row and row[0])
+
+
+def _unlock(conn: psycopg.Connection[Any], lock: int) -> None:
+    if not conn.closed and not conn.broken:
+        conn.execute("SELECT pg_advisory_unlock(%s)", [lock], prepare=False)
+
+
+def _poll_lock(conn: psycopg.Connection[Any], lock: int, deadline: float | None, what: str) -> None:
+    """Take the session advisory lock *lock*, asking again after a pause while another
+    process holds it (never waiting inside a statement), until *deadline*.
+
+    :raises SchemaBusy: not granted by *deadline*.
+    """
+    said = False
+    while not _try_lock(conn, lock):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise SchemaBusy(f"another process is changing the schema of {what}")
+        if deadline is None and not said:
+            logger.info("waiting for another process changing the schema of %s", what)
+            said = True
+        time.sleep(POLL_SECONDS if deadline is not None else BUILD_POLL_SECONDS)
+
+
+@contextmanager
+def _unless_created_meanwhile() -> Iterator[None]:
+    """``CREATE TABLE IF NOT EXISTS`` of a table that another process creates at the same
+    moment fails on the catalog's unique index: then it exists, which is what was asked."""
+    try:
+        yield
+    except _CREATED_MEANWHILE as exc:
+        logger.info("created by another process meanwhile: %s", " ".join(str(exc).split()))
 
 
 @contextmanager

@@ -32,7 +32,7 @@ WITH due AS (
 UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
 RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
-          k.request, k.request_body, k.locked_until
+          k.request, k.request_body, k.locked_until, k.on_abandoned
 """
 
 COUNT_DUE_FOR_COMPLETION = """
@@ -51,7 +51,8 @@ TAKE_OVER = """
 UPDATE {table}
 SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
     updated_at = now(), expires_at = now() + %(ttl)s + interval '2 seconds',
-    response_status = NULL, response_headers = NULL, response_body = NULL
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    on_abandoned = %(on_abandoned)s, ttl_seconds = extract(epoch FROM %(ttl)s)
 WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
   AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
   AND status IN ('retryable', 'processing')
@@ -107,6 +108,18 @@ UPDATE {table} AS k SET reconcile_due_at = now() + %(hold)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
 RETURNING k.tenant, k.key, k.attempt, k.generation, k.recovery_point, k.reconcile_attempts,
           k.request, k.request_body
+"""
+
+# An earlier release (f804229's layout) serving beside this one marks keys unknown
+# without reconcile_due_at (to it, NULL meant "due now"), where unknown_due_idx does not
+# find them. While that release's index of unknown keys exists (it may still serve: it
+# builds that index at its start; only flask idempotency-init drops it), each reconciler
+# batch first marks them due, one probe of that index; once it is gone, a one-time
+# filter makes this a no-op that reads nothing.
+MARK_UNKNOWN_DUE_BESIDE = """
+UPDATE {table} SET reconcile_due_at = now()
+WHERE status = 'unknown' AND reconcile_due_at IS NULL
+  AND to_regclass(%(retired_unknown_index)s) IS NOT NULL
 """
 
 # An undecided look (None, or the reconciler raised): the n-th is followed by the next
@@ -213,7 +226,9 @@ SELECT count(*) FROM {table}
 WHERE status IN ('completed', 'retryable') AND expires_at <= now()
 """
 
-# Claims whose lease ended more than margin ago. A finished key keeps its claim's
+# Claims whose lease ended more than margin ago, marked as the policy their claim
+# recorded says (on_abandoned), or as the app-wide one for a claim of a release that
+# recorded none: how many, and how many of them became unknown. A finished key keeps its claim's
 # lease (the finish is a HOT update: no index knows a processing row from a finished
 # one), so the sweep looks at the claims of the last ABANDONED_HORIZON (created_idx),
 # and at any claim past its expiry (expiry_idx), which is one abandoned long ago: two
@@ -243,11 +258,17 @@ WITH found AS (
     SELECT k.tenant, k.key FROM {table} AS k JOIN found USING (tenant, key)
     WHERE k.status = 'processing' AND k.locked_until <= now() - %(margin)s
     LIMIT %(batch)s FOR UPDATE OF k SKIP LOCKED
+), marked AS (
+    UPDATE {table} AS k
+    SET status = CASE coalesce(k.on_abandoned, %(on_abandoned)s::text)
+                 WHEN 'unknown' THEN 'unknown' ELSE 'retryable' END,
+        locked_until = NULL, updated_at = now(),
+        reconcile_due_at = CASE coalesce(k.on_abandoned, %(on_abandoned)s::text)
+                           WHEN 'unknown' THEN now() END
+    FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+    RETURNING k.status
 )
-UPDATE {table} AS k
-SET status = %(status)s, locked_until = NULL, updated_at = now(),
-    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END
-FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key
+SELECT count(*), count(*) FILTER (WHERE status = 'unknown') FROM marked
 """
 )
 
@@ -281,12 +302,14 @@ FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
 )
 
-# Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler);
+# Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler); it is
+# kept for the TTL its claim recorded (the route's), else the app-wide one (ttl);
 # anything else is the extension's, and a completed key is never overwritten. The
 # reconciler's answer is fenced by the look it answers (attempt, generation, looks).
 RESOLVE_KEY = """
 UPDATE {table}
-SET status = %(status)s, updated_at = now(), expires_at = now() + %(ttl)s, locked_until = NULL,
+SET status = %(status)s, updated_at = now(), locked_until = NULL,
+    expires_at = now() + coalesce(make_interval(secs => ttl_seconds), %(ttl)s),
     response_status = %(response_status)s, response_headers = %(response_headers)s,
     response_body = %(response_body)s,
     request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
@@ -302,7 +325,10 @@ COUNT_STUCK = (
 SELECT (SELECT count(*) FROM ("""
     + ABANDONED_KEYS.replace("%(margin)s", "interval '0'")
     + """) AS abandoned),
-       (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL),
+       (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL)
+       -- an earlier release's unknown keys the reconciler has not marked due yet
+       + (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NULL
+          AND to_regclass(%(retired_unknown_index)s) IS NOT NULL),
        (SELECT count(*) FROM {table}
         WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
           AND reconcile_attempts >= %(max_attempts)s)
@@ -319,4 +345,9 @@ SELECT (SELECT count(*) FROM {table} WHERE {deferred}),
        (SELECT count(*) FROM {jobs} WHERE dead)
 """
 
-COUNT_ABANDONED = "SELECT count(*) FROM (" + ABANDONED_KEYS + ") AS abandoned"
+# How many claims MARK_ABANDONED would mark, and how many of them unknown.
+COUNT_ABANDONED = (
+    "SELECT count(*), count(*) FILTER (WHERE coalesce(k.on_abandoned, %(on_abandoned)s::text)"
+    " = 'unknown') FROM (" + ABANDONED_KEYS + ") AS abandoned"
+    " JOIN {table} AS k USING (tenant, key)"
+)

@@ -24,7 +24,7 @@ FINISH_GRACE_SECONDS = 2
 CLAIM = (
     """
 WITH seen AS (
-    SELECT status, fingerprint, attempt, generation, recovery_point,
+    SELECT status, fingerprint, attempt, generation, recovery_point, on_abandoned,
            locked_until <= now() AS lease_over,
            status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
@@ -37,7 +37,11 @@ WITH seen AS (
         WHEN seen.status = 'completed' THEN 'replay'
         WHEN seen.status = 'retryable' THEN 'taken_over'
         WHEN seen.status = 'unknown' THEN 'unknown'
-        WHEN seen.lease_over THEN %(on_abandoned)s::text
+        -- the policy recorded by the claim that was abandoned, not this request's
+        -- route's (a deploy may have changed it); none recorded: this route's
+        WHEN seen.lease_over THEN
+            CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
+                WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
         ELSE 'in_progress'
     END AS decision
     FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true{commit_mode}
@@ -47,14 +51,14 @@ WITH seen AS (
 ), claimed AS (
     INSERT INTO {table} AS k
         (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
-         request, request_body)
+         request, request_body, on_abandoned, ttl_seconds)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
            now() + make_interval(secs => %(lease)s),
            now() + make_interval(secs => %(ttl)s + """
     + str(FINISH_GRACE_SECONDS)
     + """),
-           %(request)s, %(request_body)s
+           %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
     ON CONFLICT (tenant, key) DO UPDATE SET
@@ -72,7 +76,8 @@ WITH seen AS (
         expires_at = excluded.expires_at,
         updated_at = now(),
         response_status = NULL, response_headers = NULL, response_body = NULL,
-        request = excluded.request, request_body = excluded.request_body
+        request = excluded.request, request_body = excluded.request_body,
+        on_abandoned = excluded.on_abandoned, ttl_seconds = excluded.ttl_seconds
     WHERE (k.attempt, k.generation, k.status)
         = (SELECT attempt, generation, status FROM seen)
       -- a phase that committed meanwhile renewed the lease: the owner is alive
@@ -124,6 +129,14 @@ WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
   AND status <> 'completed'
 RETURNING {notify}, expires_at
+"""
+
+# Whether this attempt's finish committed as completed: a finish sent again after its
+# connection died finds its own answer here, where a zombie attempt finds nothing.
+FINISHED = """
+SELECT expires_at FROM {table}
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s AND status = 'completed'
 """
 
 # A recovery point commits with the phase's writes, fenced like the finish, and
