@@ -24,6 +24,7 @@ from .errors import (
     KeyNotFound,
     OutcomeUnknown,
     ProblemError,
+    StoredAnswerUnreadable,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -126,8 +127,13 @@ def key_status(key: str) -> Response:
         raise settings.problem(KeyNotFound, exc.detail) from None
     try:
         found = state.store.key_status(tenant, key)
+    except StoredAnswerUnreadable as exc:  # processed; this process cannot read the answer
+        logger.error("decision=stored_answer_unreadable status_view key=%r error=%s", key, exc)
+        raise settings.problem(
+            StoreUnavailable, StoredAnswerUnreadable.client_detail, retry_after=True
+        ) from exc
     except StoreError as exc:
-        if not exc.outage:  # e.g. a sealed response no key opens: never a wrong body
+        if not exc.outage:  # a store that refused the statement: never a wrong body
             logger.error("decision=store_refused status_view key=%r error=%s", key, exc)
             raise settings.problem(
                 StoreRefused, "The stored response cannot be read; ask the operator."

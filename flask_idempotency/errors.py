@@ -49,6 +49,23 @@ class StoreError(IdempotencyError):
         self.fail_open = outage if fail_open is None else fail_open
 
 
+class StoredAnswerUnreadable(StoreError):
+    """The key's request was processed and its answer is stored, but no key of
+    ``IDEMPOTENCY_ENCRYPTOR`` opens it (a rotation not deployed everywhere yet, a key
+    dropped too early): 503 with ``Retry-After``, never a wrong body, never fails open (a
+    server that has the key answers the retry)."""
+
+    #: what the client is told (a ``store-unavailable`` problem)
+    client_detail = (
+        "This request was processed, but this server cannot read its stored answer (no"
+        " configured encryption key opens it). Retry later: a server that has the key"
+        " answers it."
+    )
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, outage=True, fail_open=False)
+
+
 class EncryptionError(IdempotencyError, ValueError):
     """``IDEMPOTENCY_ENCRYPTOR`` failed: it raised or returned something other than
     bytes, or a stored value cannot be opened (no key decrypts it, or it was sealed for

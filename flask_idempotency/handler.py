@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from flask import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -28,6 +29,7 @@ from .errors import (
     MissingKey,
     ProblemError,
     RequestTooLarge,
+    StoredAnswerUnreadable,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -271,6 +273,22 @@ def _wait_for_twin(
     return claim
 
 
+def _unreadable(settings: RouteSettings, tenant: str, key: str, exc: StoreError) -> NoReturn:
+    """The key's answer is stored and this process cannot open it (a key rotation not
+    deployed everywhere): 503, saying the request was processed; a server that has the
+    key answers the retry."""
+    logger.error(
+        "decision=stored_answer_unreadable tenant=%s key=%r error=%s: the request was"
+        " processed; this process has no key that opens its stored answer",
+        tenant_tag(tenant),
+        key,
+        exc,
+    )
+    raise settings.problem(
+        StoreUnavailable, StoredAnswerUnreadable.client_detail, retry_after=True
+    ) from exc
+
+
 def _store_unavailable(
     state: IdempotencyState,
     settings: RouteSettings,
@@ -285,6 +303,8 @@ def _store_unavailable(
     retry.
     """
     tenant, key = identity.tenant, identity.key
+    if isinstance(exc, StoredAnswerUnreadable):
+        _unreadable(settings, tenant, key, exc)
     fail_open = settings.fail_open and not transactional and exc.fail_open
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     signals.store_unavailable.send(app, tenant=tenant, key=key, error=exc, fail_open=fail_open)

@@ -133,7 +133,7 @@ def test_rotation_keeps_old_keys_replaying(
         CryptoFernet(K1).decrypt(sealed)
 
 
-def test_a_body_no_key_decrypts_is_refused_never_replayed_wrong(
+def test_a_body_no_key_decrypts_answers_503_processed_never_a_wrong_body(
     make_app: Callable[..., Flask], db: DB, key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = make_app(IDEMPOTENCY_ENCRYPTOR=Fernet([K1]))
@@ -141,17 +141,32 @@ def test_a_body_no_key_decrypts_is_refused_never_replayed_wrong(
     dropped = make_app(IDEMPOTENCY_ENCRYPTOR=Fernet([K2]))  # K1 removed too early
     with caplog.at_level(logging.ERROR, "flask_idempotency"):
         answer = post(dropped.test_client(), "/payments", key, X_Tenant="acme")
-    body = problem(answer, 500, "store-refused")
+    # 503, never "not processed": the request was processed, and a server that has the
+    # key answers the retry (SPEC §16)
+    body = problem(answer, 503, "store-unavailable")
+    assert answer.headers["Retry-After"]
+    assert "was processed" in body["detail"] and "not processed" not in body["detail"]
     assert first.get_json()["id"] not in answer.get_data(as_text=True)
-    lines = [r.getMessage() for r in caplog.records if "decision=store_refused" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "decision=stored_answer_unreadable" in r.getMessage()
+    ]
     assert len(lines) == 1 and f"tenant={tenant_tag('acme')}" in lines[0], lines
     assert "acme" not in lines[0].replace(tenant_tag("acme"), "")  # the hash, not the name
-    assert "no key decrypts it" in lines[0]
-    assert body["retryable"] is False
+    assert "no key decrypts it" in lines[0] and "was processed" in lines[0]
+    assert body["retryable"] is True
     assert executions(db, key) == 1  # and the view never ran again
     # nor without any encryptor: a sealed row is never sent as it is
     plain = make_app()
-    problem(post(plain.test_client(), "/payments", key, X_Tenant="acme"), 500, "store-refused")
+    answer = post(plain.test_client(), "/payments", key, X_Tenant="acme")
+    problem(answer, 503, "store-unavailable")
+    # nor with fail-open: the key is there, processed
+    open_app = make_app(IDEMPOTENCY_ENCRYPTOR=Fernet([K2]), IDEMPOTENCY_FAIL_OPEN=True)
+    problem(
+        post(open_app.test_client(), "/payments", key, X_Tenant="acme"), 503, "store-unavailable"
+    )
+    assert executions(db, key) == 1
 
 
 def test_plain_rows_from_before_still_replay(
@@ -176,7 +191,7 @@ def test_a_ciphertext_copied_onto_another_key_is_refused(
         " WHERE key = %s) WHERE key = %s",
         (key, victim),
     )
-    problem(post(client, "/payments", victim), 500, "store-refused")
+    problem(post(client, "/payments", victim), 503, "store-unavailable")
 
 
 class Broken:
@@ -216,7 +231,7 @@ def test_an_encryptor_failing_at_encrypt_time(
     if how in ("random", "empty"):  # not detectable at encrypt time: caught when opened
         post(client, "/payments", key)
         assert raw_row(db, key)["status"] == "completed"
-        problem(post(client, "/payments", key), 500, "store-refused")
+        problem(post(client, "/payments", key), 503, "store-unavailable")
         assert executions(db, key) == 1
         return
     with caplog.at_level(logging.ERROR, "flask_idempotency"):
@@ -239,7 +254,7 @@ def test_an_encryptor_failing_at_decrypt_time(
     first = post(client, "/payments", key)
     assert first.status_code == 201
     answer = post(client, "/payments", key)
-    problem(answer, 500, "store-refused")
+    problem(answer, 503, "store-unavailable")
     assert first.get_json()["id"] not in answer.get_data(as_text=True)
     assert executions(db, key) == 1
 

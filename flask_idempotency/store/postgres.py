@@ -44,7 +44,7 @@ from .pool import (
 )
 from .rows import claim_outcome
 from .schema import Schema, SchemaBusy
-from .sealing import AtRest, refused
+from .sealing import AtRest, refused, unreadable
 from .statement import Rows, Statement, execute, fetch
 from .statements_request import (
     ADVANCE,
@@ -351,7 +351,7 @@ class PostgresStore:
         statement = self._claim if pinned is None else self._claim_pinned_statement
         _, row = self.run(statement, params, pinned)
         assert row is not None
-        with refused("the stored response cannot be read"):
+        with unreadable():
             return claim_outcome(row, fingerprint, self.at_rest, tenant, key)
 
     def claim_pinned(
@@ -466,7 +466,7 @@ class PostgresStore:
         status, code, headers, body, expires_at = row
         if code is None:
             return KeyStatus(status), None, expires_at
-        with refused("the stored response cannot be read"):
+        with unreadable():
             stored = self.at_rest.open_response(tenant, key, code, headers, body)
         return KeyStatus(status), stored, expires_at
 

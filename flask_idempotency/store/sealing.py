@@ -21,7 +21,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from ..errors import EncryptionError, StoreError
+from ..errors import EncryptionError, StoredAnswerUnreadable, StoreError
 from ..model import StoredResponse
 from ..stored_request import StoredRequest
 
@@ -159,6 +159,17 @@ def refused(what: str) -> Iterator[None]:
         yield
     except EncryptionError as exc:
         raise StoreError(f"{what}: {exc}", outage=False) from exc
+
+
+@contextmanager
+def unreadable() -> Iterator[None]:
+    """An :class:`EncryptionError` opening a stored answer: the request it answers was
+    processed, and this process cannot read the answer (:class:`StoredAnswerUnreadable`:
+    503, a server with the key may answer the retry)."""
+    try:
+        yield
+    except EncryptionError as exc:
+        raise StoredAnswerUnreadable(f"no configured key opens the stored answer: {exc}") from exc
 
 
 def _headers_text(headers: list[tuple[str, str]]) -> str:
