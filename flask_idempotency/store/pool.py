@@ -28,6 +28,13 @@ from ..errors import StoreError
 
 logger = logging.getLogger("flask_idempotency")
 
+# psycopg_pool logs a warning for each failed attempt to connect, from its own threads; the
+# store says once what failed (a command's one line, a request's decision line). With no
+# handler of its own, an app that configured no logging would have Python's last-resort
+# handler print them on the terminal (a cron job's mail); an app that configured logging
+# still gets them, through its own handlers (they propagate as before).
+logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
+
 #: SQLSTATE classes of failures that say nothing about the statement itself: the
 #: connection (08), resources (53), an operator or a timeout stopping it (57),
 #: system errors (58), and transaction conflicts a retry resolves (40)
