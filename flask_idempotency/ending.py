@@ -222,11 +222,39 @@ def stored_response(response: Response, settings: RouteSettings) -> StoredRespon
     headers = [
         (n, v) for n, v in response.headers.items() if n.lower() not in settings.unstored_headers
     ]
+    _check_headers(headers)
+    return StoredResponse(response.status_code, headers, body)
+
+
+def _check_headers(headers: list[tuple[str, str]]) -> None:
+    """:raises NotStorable: a header a client cannot be sent."""
     for name, value in headers:
         if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
             text = f"the header {name!r}: {value!r:.80} cannot be sent to a client"
             raise NotStorable(text, f"The response's {text[4:]}{{nothing}}.")
-    return StoredResponse(response.status_code, headers, body)
+
+
+def checked_response(stored: StoredResponse, settings: RouteSettings) -> StoredResponse:
+    """*stored*, an answer made by hand (an operator's), with the checks a view's response
+    gets: a status code, headers a client can be sent and that the extension stores (one
+    it never stores, such as ``Set-Cookie``, or ``Content-Length``, is refused rather than
+    dropped: the operator asked for it), a body within ``IDEMPOTENCY_MAX_RESPONSE_BYTES``.
+
+    :raises ValueError: the reason, in a sentence an operator can act on.
+    """
+    if not 100 <= stored.status <= 599:
+        raise ValueError(f"the status {stored.status} is not an HTTP status code (100 to 599)")
+    for name, _ in stored.headers:
+        if name.lower() in settings.unstored_headers or name.lower() == "content-length":
+            raise ValueError(f"the header {name!r} is never stored nor replayed; leave it out")
+    try:
+        _check_headers(list(stored.headers))
+    except NotStorable as exc:
+        raise ValueError(exc.reason) from None
+    limit = settings.max_response_bytes
+    if len(stored.body) > limit:
+        raise ValueError(f"the body exceeds IDEMPOTENCY_MAX_RESPONSE_BYTES ({limit} bytes)")
+    return stored
 
 
 def stored_answer(app: Flask, answer: Any, settings: RouteSettings) -> StoredResponse:

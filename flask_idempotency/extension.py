@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 from flask import Flask, current_app, got_request_exception
 from werkzeug.routing import Rule
 
-from . import tracing
+from . import settling, tracing
 from .asynchronous import register_status_view
 from .background.dispatch import DispatchFunction
-from .background.reconciler import RETRYABLE, ReconcileFunction, resolve
+from .background.reconciler import RETRYABLE, ReconcileFunction
 from .cli import COMMANDS
 from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
 from .consumer import Serializer, run_once
@@ -280,7 +280,7 @@ class Idempotency:
         :raises StoreError: the store failed.
         """
         app = current_app._get_current_object()  # type: ignore[attr-defined]
-        return resolve(app, get_state(app), tenant, key, response, retryable)
+        return settling.resolve(app, tenant, key, response, retryable)
 
     def run_once(
         self,

@@ -51,7 +51,7 @@ class PrometheusMetrics:
     - ``idempotency_reconcile_total{event}``: reconciliation looks ``scheduled`` (undecided),
       ``failed`` (the reconciler raised), ``resolved`` and ``exhausted``;
     - ``idempotency_resolved_keys_total{status,source}``: ``unknown`` keys resolved, by
-      the reconciler or by ``resolve()``;
+      the reconciler, ``resolve()``, the console or the CLI (``source``);
     - ``idempotency_cleaned_keys_total{action}``: keys the cleaner ``deleted`` or ``marked``;
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
       keys in ``unknown``, and unknown keys whose reconciliation gave up

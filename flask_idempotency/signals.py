@@ -72,7 +72,8 @@ completer_skipped = _signals.signal("idempotency-completer-skipped")
 reconcile_scheduled = _signals.signal("idempotency-reconcile-scheduled")
 
 #: An ``unknown`` key was resolved. Kwargs: ``tenant``, ``key``, ``status``
-#: (``"completed"`` or ``"retryable"``), ``source`` (``"reconciler"`` or ``"resolve"``).
+#: (``"completed"`` or ``"retryable"``), ``source`` (``"reconciler"``, ``"resolve"``,
+#: ``"console"`` or ``"cli"``), ``actor`` (the operator of a hand-made answer, else None).
 reconcile_resolved = _signals.signal("idempotency-reconcile-resolved")
 
 #: An ``unknown`` key had ``IDEMPOTENCY_RECONCILE_MAX_ATTEMPTS`` undecided looks: it

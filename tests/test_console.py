@@ -58,10 +58,24 @@ class Console:
         return found.group(1)
 
     def post(self, path: str, token: str | None = "", **form: Any) -> TestResponse:
+        """POST *form* to *path*; an action on one key or job carries the version of the row
+        its confirm page showed, as an operator's form does (unless *form* names one)."""
         data = dict(form)
         if token is not None:
             data["csrf_token"] = token or self.token()
+        if "version" not in data and (path == "/key/act" or path.endswith("/act")):
+            version = self.seen_version(path, form)
+            if version is not None:
+                data["version"] = version
         return self.client.post(C + path, data=data)
+
+    def seen_version(self, path: str, form: dict[str, Any]) -> str | None:
+        """The ``version`` field of the confirm page of the action *form* names."""
+        confirm = path.removesuffix("/act") + "/confirm"
+        fields = {k: form[k] for k in ("action", "tenant", "key") if k in form}
+        page = self.get(confirm, **fields)
+        found = re.search(r'name="version" value="([^"]+)"', page.get_data(as_text=True))
+        return found.group(1) if found else None
 
 
 def make_console(database_url: str, **config: Any) -> Console:

@@ -192,6 +192,9 @@ def test_the_first_request_upgrades_and_old_keys_still_replay(
     fresh = post(app.test_client(), "/payments", f"new-{uuid.uuid4()}")
     assert fresh.status_code == 201
     assert {name for name, _ in UPGRADE_COLUMNS} <= columns(db, old_table)
+    # the indexes are built in the background, while the requests were served
+    assert app.extensions["idempotency"].store.wait_for_schema(60)
+    assert {f"{old_table}_{suffix}" for suffix in INDEXES} <= valid_indexes(db, old_table)
 
 
 def test_a_new_table_has_the_autovacuum_settings(make_app: Callable[..., Flask], db: DB) -> None:

@@ -1,5 +1,6 @@
-"""Reconciliation of ``unknown`` keys: ``@idempotency.reconciler``, ``flask
-idempotency-reconcile`` and ``idempotency.resolve()`` (README "When clients give up").
+"""Reconciliation of ``unknown`` keys: ``@idempotency.reconciler`` and ``flask
+idempotency-reconcile`` (README "When clients give up"); what it finds is settled as every
+answer is (:mod:`..settling`).
 
 A key is due as soon as it becomes ``unknown``. A batch reserves due keys (``FOR
 UPDATE SKIP LOCKED``, for the lease), then asks the reconciler about each outside any
@@ -23,12 +24,12 @@ from flask import Flask
 
 from .. import signals
 from ..claim import derived_key
-from ..ending import stored_answer
 from ..keys import tenant_tag
 from ..model import KeyStatus, StoredResponse
+from ..settling import answer_of, settle
 from ..state import IdempotencyState
 from ..store.batches import Batches
-from ..store.rows import is_storable_text, storable_text
+from ..store.rows import storable_text
 from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
 from .report import Outcome
@@ -99,8 +100,8 @@ class Reconciliation:
             if answer is None:
                 return self._reschedule(key, None)
             if answer is RETRYABLE:
-                return self._resolve(key, KeyStatus.RETRYABLE, None)
-            stored = stored_answer(self.app, answer, self.state.settings.route)
+                return self._resolve(key, None)
+            stored = answer_of(self.app, answer)
         except Exception as exc:
             logger.error(
                 "reconcile=error tenant=%r key=%r look=%d: the reconciler failed\n%s",
@@ -110,29 +111,20 @@ class Reconciliation:
                 traceback.format_exc(),
             )
             return self._reschedule(key, exc)
-        return self._resolve(key, KeyStatus.COMPLETED, stored)
+        return self._resolve(key, stored)
 
     def _ask(self, key: UnknownKey) -> Any:
         """The reconciler's answer, in an app context of its own (its own ``g``)."""
         with self.app.app_context():
             return self.reconcile(key)
 
-    def _resolve(
-        self, key: UnknownKey, status: KeyStatus, stored: StoredResponse | None
-    ) -> Outcome:
-        changed = self.state.maintenance.resolve(
-            key.tenant,
-            key.key,
-            status,
-            ttl=self.state.settings.route.ttl,
-            response=stored,
-            fence=(key.attempt, key.generation, key.looks),
-        )
-        if not changed:
+    def _resolve(self, key: UnknownKey, stored: StoredResponse | None) -> Outcome:
+        fence = (key.attempt, key.generation, key.looks)
+        if not settle(self.app, key.tenant, key.key, stored, source="reconciler", fence=fence):
             return _outcome(key, "raced", "the key changed meanwhile (a webhook, an operator?)")
-        announce_resolved(self.app, key.tenant, key.key, status, "reconciler")
-        detail = f"status {stored.status}" if stored is not None else ""
-        return _outcome(key, status.value, detail)
+        if stored is None:
+            return _outcome(key, KeyStatus.RETRYABLE.value)
+        return _outcome(key, KeyStatus.COMPLETED.value, f"status {stored.status}")
 
     def _reschedule(self, key: UnknownKey, error: BaseException | None) -> Outcome:
         settings = self.state.settings
@@ -161,36 +153,6 @@ class Reconciliation:
         outcome = "undecided" if error is None else "error"
         detail = f"look {looks} of {settings.reconcile_max_attempts}; next in {due_in:.1f}s"
         return _outcome(key, outcome, detail + (f" ({text})" if text else ""))
-
-
-def resolve(
-    app: Flask,
-    state: IdempotencyState,
-    tenant: str,
-    key: str,
-    response: Any,
-    retryable: bool,
-) -> bool:
-    """See :meth:`.Idempotency.resolve`."""
-    if (response is None) == (not retryable):
-        raise TypeError("resolve() takes response=... or retryable=True (one of them)")
-    if not (is_storable_text(tenant) and is_storable_text(key)):
-        return False  # no key can have such a name
-    status = KeyStatus.RETRYABLE if retryable else KeyStatus.COMPLETED
-    stored = None if retryable else stored_answer(app, response, state.settings.route)
-    ttl = state.settings.route.ttl
-    if not state.maintenance.resolve(tenant, key, status, ttl=ttl, response=stored):
-        return False
-    announce_resolved(app, tenant, key, status, "resolve")
-    return True
-
-
-def announce_resolved(app: Flask, tenant: str, key: str, status: KeyStatus, source: str) -> None:
-    """The log line and the signal of a resolved key."""
-    logger.info(
-        "reconcile=resolved tenant=%r key=%r status=%s by=%s", tenant, key, status.value, source
-    )
-    signals.reconcile_resolved.send(app, tenant=tenant, key=key, status=status.value, source=source)
 
 
 def _outcome(key: UnknownKey, outcome: str, detail: str = "") -> Outcome:

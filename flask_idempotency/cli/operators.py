@@ -16,11 +16,12 @@ from flask.cli import with_appcontext
 
 from .. import signals
 from ..model import KeyStatus, StoredResponse
+from ..settling import answer_of, settle
 from ..state import get_state
 from ..store.maintenance import Maintenance
 from ..store.pool import probe
 from ..store.postgres import PostgresStore
-from .changes import operations, who
+from .changes import who
 from .loop import LOOP, Batch, cli_state, one_line, run_batches
 
 
@@ -290,7 +291,7 @@ def resolve_command(
     actor: str,
     reason: str | None,
 ) -> None:
-    ops = operations()
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
     response = None
     if outcome == "completed":
         if status_code is None:
@@ -301,19 +302,15 @@ def resolve_command(
             if not sep or not name.strip():
                 raise click.UsageError(f"--header must be 'Name: value', got {header!r}")
             pairs.append((name.strip(), value.strip()))
-        response = StoredResponse(status_code, pairs, body.encode())
+        try:
+            response = answer_of(app, StoredResponse(status_code, pairs, body.encode()))
+        except ValueError as exc:
+            raise click.UsageError(f"the response cannot be stored: {exc}") from None
     elif status_code is not None or body or headers:
         raise click.UsageError("--status, --body and --header go with --as completed")
+    _store()  # a config error, or a database that cannot be reached: one line
     with one_line():
-        done = ops.resolve(
-            tenant,
-            key,
-            KeyStatus(outcome),
-            ttl=get_state().settings.route.ttl,
-            actor=actor,
-            reason=reason,
-            response=response,
-        )
+        done = settle(app, tenant, key, response, source="cli", actor=actor, reason=reason)
     if not done:
         raise click.ClickException(f"no key {key!r} in status 'unknown' in tenant {tenant!r}")
     click.echo(f"key {key!r} resolved as {outcome}")

@@ -1,21 +1,34 @@
 """The console's actions: a confirm page (GET) that says what will change, then the
 POST that changes it and redirects (POST-redirect-GET). Every change writes its audit
-row in the same transaction (:class:`~..operations.Operations`).
+row in the same transaction (:class:`~..operations.Operations`); settling an ``unknown``
+key goes through :mod:`..settling`, as the CLI, ``resolve()`` and the reconciler do.
 
-A change that does not apply (a key no longer ``unknown``, a ``processing`` key to
-forget) answers 409 and changes nothing.
+The confirm form carries the version of the row the operator saw (a key's generation,
+attempt and status; a job's attempts and whether it is dead), and the change applies only
+while the row is still that version (SPEC §16): a key forgotten and used afresh, settled by
+someone else, taken over, or a job the dispatcher tried again meanwhile answers 409 and
+changes nothing. So does a change that does not apply (a key no longer ``unknown``, a
+``processing`` key to forget).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
+from flask import (
+    Blueprint,
+    abort,
+    current_app,
+    flash,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
 from werkzeug.wrappers import Response
 
-from ..model import KeyStatus
-from ..state import get_state
-from ..store.operations import JobFilter
+from ..settling import answer_of, settle
+from ..store.operations import JobFilter, KeyVersion
 from . import forms
 from .pages import BODY_PREVIEW, max_attempts, operations
 from .security import current_access
@@ -76,6 +89,19 @@ def _applies(action: str, row: dict[str, Any]) -> bool:
     return bool(row["exhausted"])
 
 
+def _changed_since(seen: str | None, now: str, what: str) -> None:
+    """409 when the row is no longer the version the operator's page showed; 400 for a
+    form without one (a page of an earlier release, or made by hand)."""
+    if seen is None:
+        abort(400, "The form does not say which version of the row you saw: reload the page.")
+    if seen != now:
+        abort(
+            409,
+            f"The {what} changed since you looked at it (someone acted on it, or it was used"
+            " again): nothing was changed. Reload the page to see it as it is now.",
+        )
+
+
 def _key_and_row(args: Any) -> tuple[str, str, str, dict[str, Any]]:
     action = args.get("action", "")
     if action not in KEY_ACTIONS:
@@ -106,7 +132,12 @@ def confirm_key() -> str:
         target=f"key {key!r} of tenant {tenant!r}",
         row=row,
         post_to=url_for(".act_key"),
-        fields={"action": action, "tenant": tenant, "key": key},
+        fields={
+            "action": action,
+            "tenant": tenant,
+            "key": key,
+            "version": str(KeyVersion.of(row)),
+        },
         response_form=action == "resolve_completed",
         back=url_for(".key", tenant=tenant, key=key),
     )
@@ -114,22 +145,16 @@ def confirm_key() -> str:
 
 def act_key() -> Response:
     action, tenant, key, row = _key_and_row(request.form)
+    seen = KeyVersion.parse(request.form.get("version", ""))
+    _changed_since(None if seen is None else str(seen), str(KeyVersion.of(row)), "key")
+    assert seen is not None
     ops, actor, why = operations(), current_access().actor, forms.reason(request.form)
     if action.startswith("resolve_"):
-        completed = action == "resolve_completed"
-        done = ops.resolve(
-            tenant,
-            key,
-            KeyStatus.COMPLETED if completed else KeyStatus.RETRYABLE,
-            ttl=get_state().settings.route.ttl,
-            actor=actor,
-            reason=why,
-            response=forms.response(request.form, _unstored()) if completed else None,
-        )
+        done = _settle(action, tenant, key, seen, actor, why)
     elif action == "forget":
-        done = ops.forget(tenant, key, actor=actor, reason=why)
+        done = ops.forget(tenant, key, actor=actor, reason=why, seen=seen)
     else:
-        done = bool(ops.rearm((tenant, key), max_attempts(), actor=actor, reason=why))
+        done = bool(ops.rearm((tenant, key), max_attempts(), actor=actor, reason=why, seen=seen))
     if not done:  # changed by someone else between the check and the change
         abort(409, "The key changed meanwhile: nothing was changed.")
     flash(f"{KEY_ACTIONS[action][0]}: done for key {forms.shown(key, 100)!r}.")
@@ -138,8 +163,20 @@ def act_key() -> Response:
     return redirect(url_for(".key", tenant=tenant, key=key), 303)
 
 
-def _unstored() -> frozenset[str]:
-    return get_state().settings.route.unstored_headers
+def _settle(
+    action: str, tenant: str, key: str, seen: KeyVersion, actor: str, why: str | None
+) -> bool:
+    """Resolve the key as completed with the form's response (checked as every settled
+    answer is: 400 with the reason), or as retryable; fenced by what the operator saw."""
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    stored = None
+    if action == "resolve_completed":
+        try:
+            stored = answer_of(app, forms.response(request.form))
+        except ValueError as exc:
+            abort(400, f"The response cannot be stored: {exc}.")
+    fence = (seen.attempt, seen.generation)
+    return settle(app, tenant, key, stored, source="console", actor=actor, reason=why, fence=fence)
 
 
 # -- exhausted keys in bulk --------------------------------------------------------------
@@ -201,19 +238,30 @@ def confirm_job(job_id: str) -> str:
         target=f"job {job_id} ({forms.shown(row['name'], 100)!r})",
         row=None,
         post_to=url_for(".act_job", job_id=job_id),
-        fields={"action": action},
+        fields={"action": action, "version": _job_version(row)},
         response_form=False,
         back=url_for(".job", job_id=job_id),
     )
 
 
+def _job_version(row: dict[str, Any]) -> str:
+    """A job as the operator saw it: its attempts, and whether it is dead."""
+    return f"{row['attempts']}.{'dead' if row['dead'] else 'live'}"
+
+
 def act_job(job_id: str) -> Response:
     action = _job_action(request.form.get("action", ""))
-    which = JobFilter(id=forms.job_id(job_id))
+    row = operations().job_detail(forms.job_id(job_id))
+    if row is None or not (row["dead"] or row["last_error"]):
+        abort(409, "No failing or dead job with this id: nothing was changed.")
+    seen = request.form.get("version")
+    _changed_since(seen, _job_version(row), "job")
+    attempts, state = str(seen).split(".", 1)
+    which = JobFilter(id=job_id, seen=(int(attempts), state == "dead"))
     ops, actor, why = operations(), current_access().actor, forms.reason(request.form)
     run = ops.retry_jobs if action == "retry" else ops.discard_jobs
     if not run(which, actor=actor, reason=why):
-        abort(409, "No failing or dead job with this id: nothing was changed.")
+        abort(409, "The job changed meanwhile, or is no longer failing: nothing was changed.")
     flash(f"{JOB_ACTIONS[action][0]}: done for job {job_id}.")
     if action == "retry":
         return redirect(url_for(".jobs", kind="failing"), 303)

@@ -151,11 +151,10 @@ def reason(form: Mapping[str, str]) -> str | None:
     return value[:MAX_REASON] or None
 
 
-def response(form: Mapping[str, str], unstored: frozenset[str]) -> StoredResponse:
+def response(form: Mapping[str, str]) -> StoredResponse:
     """The response of "Resolve as completed": Status, Headers (``Name: value`` per
-    line) and Body; 400 with the reason if one is not valid. A header the extension never
-    stores (*unstored*, lower case) or ``Content-Length`` (the body's own is sent) is
-    refused."""
+    line) and Body; 400 with the reason if one cannot be read. What may be stored is
+    checked where every settled answer is (:func:`..settling.answer_of`)."""
     try:
         status = int(form.get("status", ""))
     except ValueError:
@@ -163,9 +162,6 @@ def response(form: Mapping[str, str], unstored: frozenset[str]) -> StoredRespons
     if not 100 <= status <= 599:
         abort(400, "Status must be an HTTP status code, 100 to 599.")
     headers = [_header(line) for line in form.get("headers", "").splitlines() if line.strip()]
-    for name, _ in headers:
-        if name.lower() in unstored or name.lower() == "content-length":
-            abort(400, f"The header {name!r} is never stored nor replayed; leave it out.")
     body = form.get("body", "").replace("\r\n", "\n").encode("utf-8", "backslashreplace")
     return StoredResponse(status, headers, body)
 

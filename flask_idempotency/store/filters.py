@@ -50,3 +50,32 @@ class JobFilter:
     id: str | None = None
     name: str | None = None
     kind: str = "any"
+    #: with *id*: the job as the operator saw it, ``(attempts, dead)``; a job that changed
+    #: since (retried, failed again, handed over) is left as it is
+    seen: tuple[int, bool] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyVersion:
+    """A key as an operator saw it: a change made from that page applies only while the
+    key is still this version (not forgotten and used afresh, taken over, settled)."""
+
+    generation: int
+    attempt: int
+    status: str
+
+    def __str__(self) -> str:
+        return f"{self.generation}.{self.attempt}.{self.status}"
+
+    @classmethod
+    def parse(cls, text: str) -> KeyVersion | None:
+        """The version :meth:`__str__` wrote, or None if *text* is not one."""
+        parts = text.split(".")
+        if len(parts) != 3 or not all(p.lstrip("-").isdigit() for p in parts[:2]):
+            return None
+        return cls(int(parts[0]), int(parts[1]), parts[2])
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> KeyVersion:
+        """The version of a key's row (``generation``, ``attempt``, ``status``)."""
+        return cls(int(row["generation"]), int(row["attempt"]), str(row["status"]))

@@ -115,12 +115,12 @@ class Maintenance:
         *,
         ttl: timedelta,
         response: StoredResponse | None = None,
-        fence: tuple[int, int, int] | None = None,
+        fence: tuple[int, int] | tuple[int, int, int] | None = None,
     ) -> bool:
         """Resolve an ``unknown`` key as retryable, or as completed with *response*;
         False when there is no such key in ``unknown`` (or, with *fence*, when the key
-        is no longer at that ``(attempt, generation, reconcile_attempts)``)."""
-        attempt, generation, looks = fence or (None, None, None)
+        is no longer at that ``(attempt, generation[, reconcile_attempts])``)."""
+        attempt, generation, looks = _fence(fence)
         with refused("the response could not be stored"):
             stored = self.store.at_rest.response_params(tenant, key, response)
         params = {
@@ -170,3 +170,14 @@ class Maintenance:
     @staticmethod
     def _pair(row: tuple[Any, ...] | None) -> tuple[int, int]:
         return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def _fence(
+    fence: tuple[int, int] | tuple[int, int, int] | None,
+) -> tuple[int | None, int | None, int | None]:
+    """``(attempt, generation, looks)`` of a resolve's fence (None: not fenced by it)."""
+    if fence is None:
+        return None, None, None
+    if len(fence) == 2:
+        return fence[0], fence[1], None
+    return fence[0], fence[1], fence[2]

@@ -17,10 +17,10 @@ from psycopg import sql
 
 from ..errors import EncryptionError
 from ..model import KeyStatus, StoredResponse
-from .filters import Count, JobFilter, KeyFilter, KeysPage
+from .filters import Count, JobFilter, KeyFilter, KeysPage, KeyVersion
 from .postgres import PostgresStore
 from .rows import is_storable_text, storable_text
-from .sealing import SEALED_HEADERS, SEALED_REQUEST
+from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
 from .statement import Statement
 from .statements_console import (
     AUDIT_PAGE,
@@ -58,6 +58,7 @@ __all__ = [
     "Count",
     "JobFilter",
     "KeyFilter",
+    "KeyVersion",
     "KeysPage",
     "Operations",
     "is_storable_text",
@@ -312,26 +313,45 @@ class Operations:
         actor: str,
         reason: str | None = None,
         response: StoredResponse | None = None,
+        fence: tuple[int, int] | tuple[int, int, int] | None = None,
     ) -> bool:
         """Resolve an ``unknown`` key as retryable, or as completed with *response*;
-        False (and no audit row) when the key is not ``unknown``."""
+        False (and no audit row) when the key is not ``unknown``, or (with *fence*, what
+        the operator saw) no longer at that ``(attempt, generation)``."""
+        attempt, generation = fence[:2] if fence is not None else (None, None)
+        with refused("the response could not be stored"):
+            sealed = self.store.at_rest.response_params(tenant, key, response)
         params = {
             "tenant": tenant,
             "key": key,
             "status": status.value,
             "ttl": ttl,
-            **self.store.at_rest.response_params(tenant, key, response),
-            "attempt": None,
-            "generation": None,
+            **sealed,
+            "attempt": attempt,
+            "generation": generation,
             "looks": None,
             **self._who(actor, reason, "resolve"),
         }
         return bool(self._rows(RESOLVE, params))
 
-    def forget(self, tenant: str, key: str, *, actor: str, reason: str | None = None) -> bool:
+    def forget(
+        self,
+        tenant: str,
+        key: str,
+        *,
+        actor: str,
+        reason: str | None = None,
+        seen: KeyVersion | None = None,
+    ) -> bool:
         """Delete a ``completed`` or ``retryable`` key, so that it may be used afresh;
-        False when there is no such key in those statuses."""
-        params = {"tenant": tenant, "key": key, **self._who(actor, reason, "forget")}
+        False when there is no such key in those statuses, or (with *seen*, what the
+        operator saw) the key is no longer that version: used afresh, taken over."""
+        params = {
+            "tenant": tenant,
+            "key": key,
+            **_seen_params(seen),
+            **self._who(actor, reason, "forget"),
+        }
         return bool(self._rows(FORGET, params))
 
     def rearm(
@@ -341,9 +361,11 @@ class Operations:
         *,
         actor: str,
         reason: str | None = None,
+        seen: KeyVersion | None = None,
     ) -> int:
         """Start the reconciliation of exhausted keys again, due at once: one key
-        (``(tenant, key)``) or every exhausted key of a filter; how many changed."""
+        (``(tenant, key)``, with *seen*: only if still that version) or every exhausted
+        key of a filter; how many changed."""
         if isinstance(where, tuple):
             tenant, key = where
             keys: dict[str, Any] = {
@@ -359,7 +381,12 @@ class Operations:
                 "prefix": where.prefix or None,
                 "older_than": where.older_than,
             }
-        params = {**keys, "max_attempts": max_attempts, **self._who(actor, reason, "rearm")}
+        params = {
+            **keys,
+            **_seen_params(seen),
+            "max_attempts": max_attempts,
+            **self._who(actor, reason, "rearm"),
+        }
         return self._bulk(REARM, params)
 
     def retry_jobs(self, which: JobFilter, *, actor: str, reason: str | None = None) -> int:
@@ -373,10 +400,13 @@ class Operations:
     def _job_params(
         self, which: JobFilter, actor: str, reason: str | None, action: str
     ) -> dict[str, Any]:
+        attempts, dead = which.seen if which.seen is not None else (None, None)
         return {
             "id": which.id,
             "name": which.name,
             "kind": which.kind,
+            "seen_attempts": attempts,
+            "seen_dead": dead,
             **self._who(actor, reason, action),
         }
 
@@ -396,3 +426,14 @@ class Operations:
             "reason": storable_text(reason) if reason else None,
             "action": action,
         }
+
+
+def _seen_params(seen: KeyVersion | None) -> dict[str, Any]:
+    """The fence of an operator's change to one key: the version they saw (None: none)."""
+    if seen is None:
+        return {"seen_attempt": None, "seen_generation": None, "seen_status": None}
+    return {
+        "seen_attempt": seen.attempt,
+        "seen_generation": seen.generation,
+        "seen_status": seen.status,
+    }

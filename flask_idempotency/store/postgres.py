@@ -241,10 +241,15 @@ class PostgresStore:
                 with store_errors(), pool.connection(settings.pool_timeout) as conn:
                     with bounded(conn, settings.statement_timeout):
                         build = self.schema.prepare(conn, deadline)
-            except (StoreError, SchemaBusy) as exc:
-                raise StoreError(
-                    f"the schema check of table {self.schema.name} failed: {exc}", fail_open=False
-                ) from exc
+            except SchemaBusy as exc:
+                raise _schema_failed(self.schema.name, exc, outage=True, fail_open=False) from exc
+            except StoreError as exc:
+                # A database that answered and failed the check (a deadlock, a lock held
+                # past the deadline) is not an outage to run views unprotected through:
+                # the key may be there, completed. One that cannot be reached is.
+                busy = isinstance(exc.__cause__, errors.LockNotAvailable)
+                outage, fail_open = exc.outage or busy, exc.fail_open and not busy
+                raise _schema_failed(self.schema.name, exc, outage, fail_open) from exc
             self._schema_ready = True
             if build:
                 self._start_builder()
@@ -668,6 +673,12 @@ def _bounded_transaction(conn: psycopg.Connection[Any], seconds: float) -> Itera
         raise
     with store_errors(), bounded(conn, seconds):
         transaction.__exit__(None, None, None)
+
+
+def _schema_failed(table: str, exc: Exception, outage: bool, fail_open: bool) -> StoreError:
+    return StoreError(
+        f"the schema check of table {table} failed: {exc}", outage=outage, fail_open=fail_open
+    )
 
 
 def _staging(update: str) -> str:

@@ -305,7 +305,8 @@ FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 # Only an ``unknown`` key is resolved (by hand, by resolve(), by the reconciler); it is
 # kept for the TTL its claim recorded (the route's), else the app-wide one (ttl);
 # anything else is the extension's, and a completed key is never overwritten. The
-# reconciler's answer is fenced by the look it answers (attempt, generation, looks).
+# reconciler's answer is fenced by the look it answers (attempt, generation, looks), an
+# operator's by the key they saw (attempt, generation).
 RESOLVE_KEY = """
 UPDATE {table}
 SET status = %(status)s, updated_at = now(), locked_until = NULL,
@@ -316,8 +317,8 @@ SET status = %(status)s, updated_at = now(), locked_until = NULL,
     request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
     reconcile_attempts = 0, reconcile_due_at = NULL, reconcile_error = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
-  AND (%(looks)s::integer IS NULL
-       OR (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s))
+  AND (%(attempt)s::integer IS NULL OR (attempt, generation) = (%(attempt)s, %(generation)s))
+  AND (%(looks)s::integer IS NULL OR reconcile_attempts = %(looks)s)
 """
 
 COUNT_STUCK = (

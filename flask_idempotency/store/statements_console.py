@@ -228,6 +228,9 @@ FORGET = (
 WITH changed AS (
     DELETE FROM {table}
     WHERE tenant = %(tenant)s AND key = %(key)s AND status IN ('completed', 'retryable')
+      AND (%(seen_attempt)s::integer IS NULL
+           OR (generation, attempt, status)
+              = (%(seen_generation)s, %(seen_attempt)s, %(seen_status)s))
     RETURNING tenant, key, status AS before, 'deleted'::text AS after
 )"""
     + _AUDIT_KEYS
@@ -253,6 +256,8 @@ WITH chosen AS (
         updated_at = now()
     FROM chosen WHERE (k.tenant, k.key) = (chosen.tenant, chosen.key)
       AND k.status = 'unknown' AND k.reconcile_attempts >= %(max_attempts)s
+      AND (%(seen_attempt)s::integer IS NULL
+           OR (k.generation, k.attempt) = (%(seen_generation)s, %(seen_attempt)s))
     RETURNING k.tenant, k.key, 'exhausted'::text AS before, 'unknown'::text AS after
 )"""
     + _AUDIT_KEYS
@@ -267,6 +272,8 @@ WITH chosen AS (
       AND (%(id)s::uuid IS NULL OR id = %(id)s::uuid)
       AND (%(name)s::text IS NULL OR name = %(name)s)
       AND (%(kind)s::text = 'any' OR dead = (%(kind)s::text = 'dead'))
+      AND (%(seen_attempts)s::integer IS NULL
+           OR (attempts, dead) = (%(seen_attempts)s, %(seen_dead)s::boolean))
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )"""
