@@ -77,9 +77,14 @@ def key() -> str:
     if not (forms.is_storable_text(tenant) and forms.is_storable_text(name)) or not name:
         abort(404, "No such key.")
     row = operations().key_detail(tenant, name, max_attempts(), BODY_PREVIEW)
-    if row is None:
-        abort(404, "No such key: it was never used, has expired and been cleaned, or forgotten.")
     trail = operations().audit_page(tenant=tenant, key=name, limit=PAGE_SIZE)
+    if row is None:
+        if not trail:
+            abort(404, "No such key: it was never used, or has expired and been cleaned.")
+        # forgotten (or forgotten and cleaned): the audit's link still leads somewhere
+        return render_template(
+            "idempotency_console/key_gone.html", tenant=tenant, key=name, trail=trail
+        )
     return render_template(
         "idempotency_console/key.html",
         row=row,
