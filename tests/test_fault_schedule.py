@@ -787,25 +787,39 @@ def seed_of_run() -> int:
     return int(text) if text else random.SystemRandom().randrange(2**32)
 
 
-@pytest.mark.timeout(int(FAULT_SECONDS) + 200)
-def test_fault_schedule_runs_no_view_twice(
+def wait_for_leases(store_url: str, tenant: str) -> None:
+    """Until no claim of the run holds a running lease, so that the sweep after the faults
+    sees every abandoned claim as a cron run a little later would."""
+    with psycopg.connect(store_url, autocommit=True) as conn:
+
+        def over() -> bool:
+            row = conn.execute(
+                "SELECT 1 FROM idempotency_keys WHERE tenant = %s"
+                " AND status = 'processing' AND locked_until > now() LIMIT 1",
+                (tenant,),
+            ).fetchone()
+            return row is None
+
+        wait_until(over, LEASE + BOUND + 10, "the last leases to run out", step=0.1)
+
+
+def run_schedule(
+    seed: int,
     store: PostgresServer,
     database_url: str,
     start_gunicorn: Callable[..., GunicornServer],
-    tmp_path: Path,
-) -> None:
-    seed = seed_of_run()
+    logs: Path,
+) -> tuple[Result, list[Fault], dict[str, float]]:
+    """Serve the app, run the clients through the seed's schedule, heal, drain, verify;
+    every process and thread started here is stopped here, whatever happens."""
     rng = random.Random(seed)
     schedule = draw_schedule(rng, FAULT_SECONDS)
     tenant = f"faults-{seed}-{uuid.uuid4().hex[:8]}"
-    repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_FAULT_SECONDS={FAULT_SECONDS:g}"
     timings: dict[str, float] = {}
     began = time.monotonic()
-
     create_tables(store.url, database_url)
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    clients: list[Client] = []
     faults: Faults | None = None
     with TcpProxy.to_database(store.url) as proxy:
         server = start_gunicorn(
@@ -824,8 +838,8 @@ def test_fault_schedule_runs_no_view_twice(
             timeout=30,
             ready_path="/health",
         )
-        faults = Faults(store, proxy, server, database_url, tenant, rng, tmp_path)
         try:
+            faults = Faults(store, proxy, server, database_url, tenant, rng, logs)
             server.wait_for_workers(30)
             timings["setup"] = time.monotonic() - began
             clients = [Client(n, server.port, tenant, seed, stop) for n in range(CLIENTS)]
@@ -840,45 +854,27 @@ def test_fault_schedule_runs_no_view_twice(
             faults.run(schedule, FAULT_SECONDS, started)
             timings["faults"] = time.monotonic() - started
 
-            # Heal, stop making intents, and let cron's commands run once more after the
-            # last leases ran out (so a claim abandoned by the last fault is swept too).
+            # Heal, stop making intents, let the clients retry what is open, and let
+            # cron's commands run once more after the last leases ran out.
             healing = time.monotonic()
             faults.heal()
             stop.set()
             join(threads, HTTP_TIMEOUT + 10)
             stop.clear()
             threads = run_clients(clients, time.monotonic() + DRAIN_SECONDS, False)
-            with psycopg.connect(store.url, autocommit=True) as conn:
-                wait_until(
-                    lambda: (
-                        not conn.execute(
-                            "SELECT 1 FROM idempotency_keys WHERE tenant = %s"
-                            " AND status = 'processing' AND locked_until > now() LIMIT 1",
-                            (tenant,),
-                        ).fetchone()
-                    ),
-                    LEASE + BOUND + 10,
-                    "the last leases to run out",
-                    step=0.1,
-                )
+            wait_for_leases(store.url, tenant)
             faults.sweep()
             join(threads, DRAIN_SECONDS + HTTP_TIMEOUT + 10)
             timings["heal and drain"] = time.monotonic() - healing
 
             # Every answered key once more: it must replay what its client was told.
-            for intent in [i for c in clients for i in c.intents if i.ack is not None]:
-                intent.exchanges.append(exchange(server.port, tenant, intent, "verify"))
+            intents = [i for c in clients for i in c.intents]
+            for intent in intents:
+                if intent.ack is not None:
+                    intent.exchanges.append(exchange(server.port, tenant, intent, "verify"))
             failures = [c.failure for c in clients if c.failure is not None]
-            assert not failures, f"seed {seed}: a client thread failed: {failures!r}"
-            result = read_result(
-                seed,
-                tenant,
-                store.url,
-                database_url,
-                [i for c in clients for i in c.intents],
-                faults,
-                server,
-            )
+            assert not failures, f"a client thread failed: {failures!r}"
+            result = read_result(seed, tenant, store.url, database_url, intents, faults, server)
         finally:
             stop.set()
             for thread in threads:
@@ -888,9 +884,30 @@ def test_fault_schedule_runs_no_view_twice(
             server.stop()
             proxy.thaw()
     timings["total"] = time.monotonic() - began
+    return result, schedule, timings
+
+
+@pytest.mark.timeout(int(FAULT_SECONDS) + 200)
+def test_fault_schedule_runs_no_view_twice(
+    store: PostgresServer,
+    database_url: str,
+    start_gunicorn: Callable[..., GunicornServer],
+    tmp_path: Path,
+) -> None:
+    seed = seed_of_run()
+    repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_FAULT_SECONDS={FAULT_SECONDS:g}"
+    print(f"seed {seed} (repeat with {repeat})")
+    try:
+        result, schedule, timings = run_schedule(
+            seed, store, database_url, start_gunicorn, tmp_path
+        )
+    except Exception as exc:  # the harness failed: the seed must still be in the message
+        raise AssertionError(
+            f"seed {seed} (repeat with {repeat}): {type(exc).__name__}: {exc}"
+        ) from exc
 
     report = summary(result, schedule, timings)
-    print("\n" + report)
+    print(report)
     violations = product_violations(result)
     harness = harness_problems(result, FAULT_SECONDS)
     message = [f"seed {seed} (repeat with {repeat})"]
