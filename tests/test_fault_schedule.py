@@ -81,9 +81,8 @@ MAX_INTENTS_PER_CLIENT = 400
 MAX_STEPS_PER_CLIENT = 4000
 HTTP_TIMEOUT = 20.0
 RETRY_AFTER_CAP = 3.0  # a client obeys Retry-After up to this many seconds
-UNKNOWN_RETRY = (
-    1.5  # an outcome-unknown key is asked again after this long (a reconciler may settle it)
-)
+#: an outcome-unknown key is asked again after this long (a reconciler may settle it)
+UNKNOWN_RETRY = 1.5
 ERROR_RETRY = 0.3  # after a connection error
 DRAIN_SECONDS = 30.0  # after healing: how long the clients may still retry
 CLI_TIMEOUT = 30.0  # a background command still running then is killed (and reported)
@@ -105,7 +104,7 @@ COMMANDS = {
     "reconcile": ("idempotency-reconcile",),
 }
 #: rough seconds a fault itself takes, for planning how many fit in the duration
-COST = {"restart-fast": 1.5, "restart-immediate": 1.5, "sighup": 0.5}
+COST = {"restart-fast": 0.5, "restart-immediate": 0.5, "sighup": 1.5}
 
 DECISION = re.compile(r"decision=(\w+) .*?key='([^']*)'")
 
