@@ -194,6 +194,8 @@ class Intent:
 
 
 def exchange(port: int, tenant: str, intent: Intent, purpose: str) -> Exchange:
+    """Send *intent*'s request once, on a new connection: whatever comes back, or the
+    connection error, is the exchange (never raised: a client retries on it)."""
     headers = {"X-Tenant": tenant}
     if intent.delay:
         headers["X-Delay"] = f"{intent.delay:.2f}"
@@ -300,6 +302,7 @@ class Client:
 def run_clients(
     clients: list[Client], deadline: float, new_intents: bool
 ) -> list[threading.Thread]:
+    """Start one thread per client (see :meth:`Client.run`)."""
     threads = [
         threading.Thread(target=c.run, args=(deadline, new_intents), name=f"client-{c.number}")
         for c in clients
@@ -310,6 +313,8 @@ def run_clients(
 
 
 def join(threads: list[threading.Thread], timeout: float) -> None:
+    """Join *threads* within *timeout* in all (each is bounded by its deadline and
+    HTTP_TIMEOUT), or fail naming those still running."""
     deadline = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -782,6 +787,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
 
 
 def seed_of_run() -> int:
+    """IDEMPOTENCY_FAULT_SEED, or a fresh random seed (printed, and in every failure)."""
     text = os.environ.get(SEED_ENV)
     return int(text) if text else random.SystemRandom().randrange(2**32)
 
