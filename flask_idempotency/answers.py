@@ -98,12 +98,19 @@ def answer(
         )
     if row.problem is not None:
         detail = row.detail.format(header=settings.header)
-        if outcome.decision is Decision.IN_PROGRESS and settings.in_progress_status == 202:
-            return accepted(settings, detail)
-        raise settings.problem(row.problem, detail, retry_after=row.retry_after)
+        wait = None
+        if outcome.decision is Decision.IN_PROGRESS:
+            wait = outcome.retry_after(settings.retry_after, RETRY_AFTER_CAP)
+            if settings.in_progress_status == 202:
+                return accepted(settings, detail, wait=wait)
+        raise settings.problem(row.problem, detail, retry_after=row.retry_after, wait=wait)
     if outcome.response is not None:
         return replay(outcome.response, settings, outcome.expires_at)
     return None
+
+
+#: the longest ``Retry-After`` a twin of a claim in flight is told (ClaimOutcome.retry_after)
+RETRY_AFTER_CAP = 30
 
 
 def decision_signals(
@@ -145,11 +152,14 @@ def replay(
     return response
 
 
-def accepted(settings: RouteSettings, detail: str, location: str | None = None) -> Response:
-    """``202 Accepted`` with ``Retry-After``: the work runs, come back later (to
-    *location*, when given). Never stored, never a replay."""
+def accepted(
+    settings: RouteSettings, detail: str, location: str | None = None, wait: int | None = None
+) -> Response:
+    """``202 Accepted`` with ``Retry-After`` (*wait*, default ``IDEMPOTENCY_RETRY_AFTER``):
+    the work runs, come back later (to *location*, when given). Never stored, never a
+    replay."""
     body = {"status": "processing", "detail": detail}
-    headers = {"Retry-After": str(settings.retry_after)}
+    headers = {"Retry-After": str(settings.retry_after if wait is None else wait)}
     if location is not None:
         headers["Location"] = location
         body["location"] = location

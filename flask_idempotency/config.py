@@ -235,7 +235,10 @@ class RouteSettings:
     #: how long a ``processing`` claim is trusted before it counts as abandoned; set
     #: it above your slowest view
     lease: timedelta = option(60, _duration)
-    #: seconds, sent in ``Retry-After`` on 409, 202 and 503
+    #: seconds, sent in ``Retry-After`` on 409, 202 and 503. A twin of a claim in flight
+    #: is told at least this, and about as long as the claim has run without a sign of
+    #: life (its claim, a committed phase), never past its lease's end, at most 30 s: a
+    #: claim whose worker died is not polled every second for its whole lease
     retry_after: int = option(1, _int_at_least(0))
     #: seconds a duplicate may wait for its in-flight twin, woken by NOTIFY, before 409
     wait: float = option(0, _seconds)
@@ -302,11 +305,16 @@ class RouteSettings:
         """Return a copy with a route's already validated options applied."""
         return dataclasses.replace(self, **options) if options else self
 
-    def problem(self, error: type[E], detail: str, *, retry_after: bool = False) -> E:
-        """The client-facing *error*, in this route's error format."""
+    def problem(
+        self, error: type[E], detail: str, *, retry_after: bool = False, wait: int | None = None
+    ) -> E:
+        """The client-facing *error*, in this route's error format; with *retry_after*, a
+        ``Retry-After`` of *wait* seconds (default ``IDEMPOTENCY_RETRY_AFTER``)."""
         return error(
             detail,
-            retry_after_seconds=self.retry_after if retry_after else None,
+            retry_after_seconds=(self.retry_after if wait is None else wait)
+            if retry_after
+            else None,
             type_base=self.problem_type_base,
             error_format=self.error_format,
         )

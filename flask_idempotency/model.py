@@ -63,6 +63,21 @@ class ClaimOutcome:
     expires_in: float = 0.0
     #: when a replayed key expires (the database's ``expires_at``)
     expires_at: datetime | None = None
+    #: a claim in flight (``in_progress``): seconds since its last sign of life (its claim,
+    #: a committed phase), and until its lease ends (None: no lease, a deferred key)
+    idle_for: float = 0.0
+    lease_left: float | None = None
+
+    def retry_after(self, least: int, cap: int) -> int:
+        """Seconds a twin of a claim in flight is told to wait (``Retry-After``): about as
+        long as the claim has been running without a sign of life (the longer it runs, the
+        longer a retry should wait), never past the end of its lease (when a retry may
+        take it over, or learn its outcome is unknown), at most *cap* and at least
+        *least* (``IDEMPOTENCY_RETRY_AFTER``)."""
+        wait = self.idle_for
+        if self.lease_left is not None:
+            wait = min(wait, self.lease_left)
+        return max(least, min(cap, round(wait)))
 
     @property
     def owns_key(self) -> bool:

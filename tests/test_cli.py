@@ -20,8 +20,12 @@ def test_init_creates_the_table_once(make_app: Callable[..., Flask], db: DB) -> 
     first = runner.invoke(args=["idempotency-init"])
     assert first.exit_code == 0, first.output
     assert "created table cli_init_keys" in first.output
+    # every table is named, and a shared one made earlier by another app is said to be so
+    for shared in ("idempotency_jobs", "idempotency_audit", "idempotency_heartbeats"):
+        assert shared in first.output, first.output
     again = runner.invoke(args=["idempotency-init"])
     assert again.exit_code == 0 and "already exists" in again.output
+    assert "idempotency_jobs, idempotency_audit and idempotency_heartbeats" in again.output
     assert db.execute("SELECT to_regclass('cli_init_keys') IS NOT NULL").fetchone() == (True,)
 
 

@@ -13,6 +13,7 @@ from helpers import DB, executions, hold_first, post, problem
 from werkzeug.test import TestResponse
 
 from flask_idempotency import ConfigError
+from flask_idempotency.fingerprint import fingerprint
 
 
 def test_missing_key_is_400(app: Flask, db: DB) -> None:
@@ -241,3 +242,35 @@ def test_in_progress_status_202_answers_accepted_instead_of_409(
 def test_in_progress_status_is_409_or_202(make_app: Callable[..., Flask], bad: object) -> None:
     with pytest.raises(ConfigError, match="IDEMPOTENCY_IN_PROGRESS_STATUS"):
         make_app(IDEMPOTENCY_IN_PROGRESS_STATUS=bad)
+
+
+@pytest.mark.parametrize(
+    ("idle", "lease_left", "expected"),
+    [
+        (0.2, 60, 1),  # a claim that just started: IDEMPOTENCY_RETRY_AFTER
+        (20, 40, 20),  # running for 20 s: come back in about as long
+        (50, 5, 5),  # past its expected run: the time to the end of its lease
+        (600, 1200, 30),  # capped
+        (50, -3, 1),  # the lease just ended: the retry may take it over at once
+    ],
+)
+def test_retry_after_of_a_claim_in_flight_grows_with_its_age(
+    app: Flask, db: DB, key: str, idle: float, lease_left: float, expected: int
+) -> None:
+    """A claim whose worker died answers its twins for the whole lease; instead of every
+    second, they are told to come back about as late as the claim has run, never past the
+    lease's end (when a retry takes over or learns the outcome), at most 30 s."""
+    digest = fingerprint("POST", "/payments", "application/json", b'{"amount": 100}')
+    db.execute(
+        "INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,"
+        " locked_until, updated_at, expires_at) VALUES ('', %s, %s, 'processing', 1, 1,"
+        " now() + make_interval(secs => %s), now() - make_interval(secs => %s),"
+        " now() + interval '1 day')",
+        (key, digest, lease_left, idle),
+    )
+    twin = post(app.test_client(), "/payments", key)
+    if lease_left < 0:  # taken over: runs
+        assert twin.status_code == 201
+        return
+    assert twin.status_code == 409, twin.get_data(as_text=True)
+    assert twin.headers["Retry-After"] == str(expected)

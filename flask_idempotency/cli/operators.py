@@ -21,6 +21,7 @@ from ..state import get_state
 from ..store.maintenance import Maintenance
 from ..store.pool import probe
 from ..store.postgres import PostgresStore
+from ..store.schema import Schema
 from .changes import who
 from .loop import LOOP, Batch, cli_state, one_line, run_batches
 
@@ -56,13 +57,28 @@ def init_command() -> None:
         created = store.create_schema()
     except Exception as exc:  # one line for the operator, not a traceback
         raise click.ClickException(f"cannot create the schema: {exc}") from exc
-    table = store.settings.table
-    if not created:
-        click.echo(f"table {table} already exists")
-    elif store.schema.upgraded:
-        click.echo(f"upgraded table {table}: {', '.join(store.schema.upgraded)}")
-    else:
-        click.echo(f"created table {table}")
+    click.echo(_init_report(store.schema, created))
+
+
+def _init_report(schema: Schema, created: bool) -> str:
+    """What ``idempotency-init`` did, naming every table of the extension."""
+    table, *others = schema.tables
+    if created and schema.created:
+        made = [name for name in others if name in schema.created]
+        there = [name for name in others if name not in schema.created]
+        text = f"created table {table} and its indexes"
+        if made:
+            text += f", and table{'s' if len(made) > 1 else ''} {_names(made)}"
+        if there:
+            text += f"; {_names(there)} existed already (shared with other apps)"
+        return text
+    if created:
+        return f"upgraded table {table}: {', '.join(schema.upgraded)} (with {_names(others)})"
+    return f"table {table} already exists, with {_names(others)}"
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 @click.command(

@@ -43,6 +43,14 @@ def claim_outcome(
             expires_in=float(expires_in),
             expires_at=expires_at,
         )
+    if decision is Decision.IN_PROGRESS:
+        idle_for, lease_left = row[12:14]
+        return ClaimOutcome(
+            decision,
+            attempt=seen_attempt or 0,
+            idle_for=float(idle_for or 0.0),
+            lease_left=None if lease_left is None else float(lease_left),
+        )
     return ClaimOutcome(decision, attempt=seen_attempt or 0)
 
 

@@ -161,6 +161,13 @@ class Schema:
         self.channel = f"{name}_finished"[:63]
         #: the steps the last :meth:`create` ran on an existing table
         self.upgraded: list[str] = []
+        #: the tables the last :meth:`create` made (the others existed already)
+        self.created: list[str] = []
+        #: every table of the extension: keys, jobs, audit, heartbeats
+        self.tables = (table, jobs_table, audit_table, heartbeats_table)
+        self._table_regclass = dict(
+            zip(self.tables, ("table", "jobs", "audit", "heartbeats"), strict=True)
+        )
         #: the upgrade of a table made by an earlier release, in order
         #: the to_regclass name of an earlier release's index of unknown keys: while it
         #: exists, such a release may serve beside this one and make unknown keys
@@ -243,7 +250,7 @@ class Schema:
         Looks first: ``CREATE INDEX IF NOT EXISTS`` takes a lock on the table even
         when the index exists, which would queue behind live claims.
         """
-        self.upgraded = []
+        self.upgraded, self.created = [], []
         self._deadline = None
         if self.present(conn):
             return False
@@ -295,6 +302,11 @@ class Schema:
         """Run the needed steps of *kinds* (holding the schema lock); True if DDL ran."""
         if self._missing(state):
             self._create_all(conn)
+            self.created = [
+                name
+                for name, part in self._table_regclass.items()
+                if self._regclass[part] in state.missing
+            ]
             return True
         work = self._work(state, kinds)
         for step in work:

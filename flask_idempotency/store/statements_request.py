@@ -28,7 +28,9 @@ WITH seen AS (
            locked_until <= now() AS lease_over,
            status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
-           response_status, response_headers, response_body
+           response_status, response_headers, response_body,
+           extract(epoch FROM now() - updated_at) AS idle_for,
+           extract(epoch FROM locked_until - now()) AS lease_left
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), intent AS (
     SELECT CASE
@@ -95,7 +97,7 @@ WITH seen AS (
 SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
        seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
-       seen.expires_at
+       seen.expires_at, seen.idle_for, seen.lease_left
 FROM intent
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
