@@ -17,6 +17,8 @@ from urllib.parse import parse_qsl, urlencode
 
 import rfc8785
 
+from .deep_json import blank_pointers
+
 FORM = "application/x-www-form-urlencoded"
 
 #: A body that may hold a character outside the Basic Multilingual Plane (a 4-byte UTF-8
@@ -153,7 +155,9 @@ def canonical_body(mimetype: str, body: bytes, exclude: Exclusions = EXCLUDE_NOT
         return b""
     if mimetype == "application/json" or mimetype.endswith("+json"):
         canonical = canonical_json(body, exclude.pointers)
-        return b"raw:" + body if canonical is None else b"json:" + canonical
+        if canonical is None:  # too deep for the parsers, or not JSON: its bytes
+            return b"raw:" + blank_pointers(body, exclude.pointers)
+        return b"json:" + canonical
     if mimetype == FORM:
         # Latin-1 maps each byte to one character and back, so no two different
         # percent-escapes (%E9, %E8) collapse into one replacement character.

@@ -169,6 +169,27 @@ def test_an_excluded_member_may_change_anything_else_may_not(
         problem(_post(app, "/excluding", key, json=changed), 422, "key-reused")
 
 
+@pytest.mark.parametrize("depth", [10, 990, 10_000])
+def test_exclusions_hold_at_any_depth(build: Callable[..., Flask], key: str, depth: int) -> None:
+    """A JSON body nested deeper than the parsers recurse is fingerprinted by its bytes,
+    with the excluded members still left out (SPEC §16): a retry that changes only them
+    replays, one that changes anything else is 422."""
+
+    def body(request_id: str, order: int) -> bytes:
+        inner = f'{{"request_id": "{request_id}", "order": {order}}}'
+        nested = '{"n": ' * depth + inner + "}" * depth
+        return f'{{"metadata": {{"request_id": "{request_id}"}}, "deep": {nested}}}'.encode()
+
+    deep_pointer = "/deep" + "/n" * depth + "/request_id"
+    app = build(IDEMPOTENCY_FINGERPRINT_EXCLUDE=["/metadata/request_id", deep_pointer])
+    first = _post(app, "/payments", key, data=body("r-1", 7), content_type=J)
+    assert first.status_code == 200
+    replay = _post(app, "/payments", key, data=body("r-2", 7), content_type=J)
+    assert replay.headers["Idempotent-Replayed"] == "true", replay.get_data(as_text=True)[:300]
+    assert replay.get_json() == first.get_json()
+    problem(_post(app, "/payments", key, data=body("r-1", 8), content_type=J), 422, "key-reused")
+
+
 def test_an_excluded_form_field_may_change(build: Callable[..., Flask], key: str) -> None:
     app = build()
     first = _post(app, "/excluding", key, data={"amount": "100", "token": "t1"})
@@ -257,21 +278,23 @@ def test_nul_and_surrogates_in_names(build: Callable[..., Flask], key: str) -> N
 
 
 def test_a_pointer_into_a_10000_deep_document(build: Callable[..., Flask], key: str) -> None:
-    """Too deep to parse: the body counts byte for byte, exclusions and all (a retry
-    is a 422, never a wrong replay); no RecursionError, no 500."""
+    """Too deep to parse: the body counts byte for byte, but for the excluded value
+    (SPEC §16: exclusions at any depth); no RecursionError, no 500."""
     depth = 10_000
     pointer = "/a" * depth
     app = build(IDEMPOTENCY_FINGERPRINT_EXCLUDE=[pointer])
 
-    def deep(leaf: str) -> bytes:
-        return b'{"a":' * depth + leaf.encode() + b"}" * depth
+    def deep(leaf: str, end: str = "") -> bytes:
+        return b'{"a":' * depth + leaf.encode() + b"}" * depth + end.encode()
 
     first = _post(app, "/payments", key, data=deep("1"), content_type=J)
     assert first.status_code == 200
     assert (
         _post(app, "/payments", key, data=deep("1"), content_type=J).get_json() == first.get_json()
     )
-    problem(_post(app, "/payments", key, data=deep("2"), content_type=J), 422, "key-reused")
+    excluded = _post(app, "/payments", key, data=deep("2"), content_type=J)
+    assert excluded.get_json() == first.get_json()  # the excluded leaf changed: a replay
+    problem(_post(app, "/payments", key, data=deep("1", " "), content_type=J), 422, "key-reused")
 
 
 def test_a_pointer_into_a_deep_document_that_parses(build: Callable[..., Flask], key: str) -> None:
@@ -374,6 +397,6 @@ def test_hostile_values_in_and_beside_excluded_members() -> None:
     assert canonical_body(J, b'{"a": NaN, "c": 1}', exclude) == b'json:{"c":1}'
     assert canonical_body(J, b'{"b": [1e400, 2]}', exclude) == b'json:{"b":[null,2]}'
     assert canonical_body(J, f'{{"a": "{big}", "c": 1}}'.encode(), exclude) == b'json:{"c":1}'
-    nan_kept = b'{"a": 1, "c": NaN}'
-    assert canonical_body(J, nan_kept, exclude) == b"raw:" + nan_kept
+    nan_kept = b'{"a": 1, "c": NaN}'  # RFC 8785 has no NaN: its bytes, "a" still left out
+    assert canonical_body(J, nan_kept, exclude) == b'raw:{"a": null, "c": NaN}'
     assert canonical_body(J, b"[1, 2]", exclude) == b"json:[1,2]"  # no object: nothing to drop
