@@ -9,6 +9,7 @@ again, tried again by the dispatcher), then the other acts from the page opened 
 
 from __future__ import annotations
 
+import html
 import logging
 import re
 import uuid
@@ -38,7 +39,8 @@ class Operator:
         """Open a confirm page: the hidden fields its form will post."""
         page = self.client.get(C + path, query_string=params)
         assert page.status_code == 200, page.get_data(as_text=True)[:500]
-        return dict(re.findall(r'type="hidden" name="([^"]+)" value="([^"]*)"', page.text))
+        found = re.findall(r'type="hidden" name="([^"]+)" value="([^"]*)"', page.text)
+        return {name: html.unescape(value) for name, value in found}
 
     def confirm(self, path: str, form: dict[str, str], **extra: str) -> int:
         """Press the button of the page opened earlier."""
@@ -251,3 +253,30 @@ def test_a_hand_made_answer_is_checked_as_every_answer(
         )  # fmt: skip
         assert result.exit_code == 2 and "never stored" in result.output, result.output
     assert audit_count(console_app, db) == 0
+
+
+def test_the_audit_link_of_a_forgotten_key_opens_a_page(console_app: Flask, db: DB) -> None:
+    """The audit row of a forget links to the key; the key is gone, the page is not (200):
+    it says so and lists the key's audit rows. A key nobody ever touched is still 404."""
+    key = f"k-<img/src=x/onerror=alert(1)>-{uuid.uuid4()}"
+    pay(console_app, key)
+    ann = Operator(console_app)
+    form = ann.open("/key/confirm", action="forget", tenant="t", key=key)
+    assert ann.confirm("/key/act", form, reason="customer asked") == 303
+    audit = ann.client.get(C + "/audit").text
+    link = re.search(r'href="([^"]*/key\?[^"]*)"', audit)
+    assert link is not None, audit[:2000]
+    page = ann.client.get(link.group(1).replace("&amp;", "&"))
+    assert page.status_code == 200
+    assert "no longer exists" in page.text and "customer asked" in page.text
+    assert "<img/src=x" not in page.text  # shown as text
+    never = ann.client.get(C + "/key", query_string={"tenant": "t", "key": "never-used"})
+    assert never.status_code == 404
+
+
+def test_the_overview_says_a_command_run_once_ran_once(console_app: Flask) -> None:
+    ran = console_app.test_cli_runner().invoke(args=["idempotency-clean"])
+    assert ran.exit_code == 0, ran.output
+    overview = Operator(console_app).client.get(C + "/").text
+    row = re.search(r"<tr class=\"fresh\">.*?</tr>", overview, re.DOTALL)
+    assert row is not None and "ran once" in row.group(0) and "running" not in row.group(0)
