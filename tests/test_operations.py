@@ -87,7 +87,8 @@ def test_the_cleaner_marks_an_abandoned_claim_as_its_route_said(
     app-wide setting; the client's retry then gets 409 outcome-unknown (the view ran
     once) or runs the view again (attempt 2)."""
     create_tables(database_url)
-    env = environment(database_url, database_url, lease=LEASE, on_abandoned=app_wide)
+    table = f"policy_{uuid.uuid4().hex[:8]}"  # the cleaner sees this test's claims only
+    env = environment(database_url, database_url, lease=LEASE, on_abandoned=app_wide, table=table)
     server = start_gunicorn(APP, env=env, workers=2, ready_path="/health")
     key = f"policy-{uuid.uuid4()}"
     gate = f"gate-{uuid.uuid4()}"
@@ -105,11 +106,14 @@ def test_the_cleaner_marks_an_abandoned_claim_as_its_route_said(
     finally:
         db.execute("UPDATE e2e_gates SET open = true WHERE name = %s", (gate,))
         sent.join(60)
-    assert key_status(db, key) == "processing"
+    assert key_status(db, key, table) == "processing"
 
     def lease_over() -> bool:
         row = db.execute(
-            "SELECT locked_until <= now() FROM idempotency_keys WHERE key = %s", (key,)
+            sql.SQL("SELECT locked_until <= now() FROM {} WHERE key = %s").format(
+                sql.Identifier(table)
+            ),
+            (key,),
         ).fetchone()
         return bool(row and row[0])
 
@@ -120,7 +124,7 @@ def test_the_cleaner_marks_an_abandoned_claim_as_its_route_said(
     assert f"marked 1 abandoned claims ({1 - unknown} retryable, {unknown} unknown)" in (
         cleaned.stdout
     ), cleaned.stdout
-    assert key_status(db, key) == marked
+    assert key_status(db, key, table) == marked
 
     answer = post(server.port, path, key)
     if retry_runs:
