@@ -4,7 +4,8 @@
 It uses only the public API every release since ``f804229`` has (``Idempotency``,
 ``tenant_loader``, ``idempotent`` bare and with options, ``current_idempotency.key``,
 ``.tenant``, ``.attempt``, ``reconciler``), so the very same file runs on the old code and on
-the new: which ``flask_idempotency`` it gets is decided by ``PYTHONPATH`` alone, and
+the new: which ``flask_idempotency`` it gets is decided by the working directory and
+``PYTHONPATH`` alone (as in a deploy), and
 ``GET /release`` says which one it got.
 
 Configured by the environment only:
@@ -14,12 +15,14 @@ Configured by the environment only:
 - ``RELEASE_NAME``: a label (``old`` / ``new``) recorded with every execution and every answer;
 - ``RELEASE_EXECUTIONS_URL``: the database holding ``executions`` and ``gates``.
 
-``POST /pay`` is a plain idempotent route; ``POST /risky`` has ``on_abandoned="unknown"`` and a
-one-second lease, so a killed worker leaves a key that its retry marks ``unknown``. Both first
-record the execution (tenant, key, attempt, pid, release) and commit it, so "ran twice" is a
-count; then ``X-Gate: <name>`` holds the view until the row ``gates(name)`` is open (bounded),
-which is how a test keeps a request inside the view to ``kill -9`` its worker. Every body holds
-a fresh uuid: a replay that differs from the first answer shows.
+``GET /metrics`` is the extension's Prometheus metrics (its ``idempotency_stuck_keys`` gauge
+counts the unknown keys). ``POST /pay`` is a plain idempotent route; ``POST /risky`` has
+``on_abandoned="unknown"`` and a one-second lease, so a killed worker leaves a key that its
+retry marks ``unknown``. Both first record the execution (tenant, key, attempt, pid, release)
+and commit it, so "ran twice" is a count; then ``X-Gate: <name>`` holds the view until the row
+``gates(name)`` is open (bounded), which is how a test keeps a request inside the view to
+``kill -9`` its worker. Every body holds a fresh uuid: a replay that differs from the first
+answer shows.
 """
 
 from __future__ import annotations

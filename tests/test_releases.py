@@ -140,7 +140,8 @@ class Code:
         return done.stdout
 
     def check_imports(self) -> None:
-        """Assert that a process started as this release's commands are imports its code."""
+        """Assert that a process started as this release's commands are started imports this
+        release's code (the working directory and PYTHONPATH decide it, nothing else)."""
         base = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "RELEASE_"))}
         done = subprocess.run(
             [sys.executable, "-c", "import flask_idempotency; print(flask_idempotency.__file__)"],
@@ -299,7 +300,7 @@ def prepare_old_table(db: DB, store: str, old: Code, release: OldRelease) -> Lay
     output = old.flask(old.env(store), "idempotency-init")
     assert f"created table {TABLE}" in output, output
     made = layout(db)
-    if release.commit == "f804229":  # the layout the brief names: every index on status
+    if release.commit == "f804229":  # its layout: indexes on columns the finish changes
         suffixes = ("expires_idx", "lease_idx", "unknown_idx", "complete_idx")
         assert {f"{TABLE}_{suffix}" for suffix in suffixes} <= made.indexes, made
     fill = sql.SQL(BULK).format(
@@ -367,7 +368,7 @@ def findings() -> Iterator[Findings]:
     one that stopped the test before its end)."""
     found = Findings()
     yield found
-    print("\n".join(["timeline:", *found.timeline, *found.items]))
+    print("\n".join(["timeline:", *found.timeline, "findings:", *found.items]))
 
 
 # -- serving ----------------------------------------------------------------------------------
