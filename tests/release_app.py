@@ -31,6 +31,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -148,7 +149,7 @@ def create_app() -> Flask:
     return app
 
 
-def _metrics(app: Flask) -> Any:
+def _metrics(app: Flask) -> Callable[[], Response]:
     """The app's Prometheus exposition, from a registry of its own (the gauges are read from
     the database when scraped, so any worker answers for the whole table)."""
     from prometheus_client import CollectorRegistry, generate_latest

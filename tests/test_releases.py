@@ -176,11 +176,23 @@ class Code:
             text=True,
         )
 
-    def list_unknown(self, store: str) -> subprocess.Popen[str]:
-        """``flask idempotency-list --status unknown``, started."""
-        return self.flask_start(
-            self.env(store), "idempotency-list", "--status", "unknown", "--limit", "10000"
-        )
+
+@pytest.fixture
+def list_unknown() -> Iterator[Callable[[Code, str], subprocess.Popen[str]]]:
+    """``list_unknown(code, store)``: ``flask idempotency-list --status unknown`` of *code*,
+    started (to run while the test goes on); one still running at teardown is killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(code: Code, store: str) -> subprocess.Popen[str]:
+        args = ("idempotency-list", "--status", "unknown", "--limit", "10000")
+        started.append(code.flask_start(code.env(store), *args))
+        return started[-1]
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
 
 
 def new_code() -> Code:
@@ -842,6 +854,7 @@ def test_upgrade_new_release_starts_beside_the_old_one(
     store: tuple[str, Layout],
     start_gunicorn: Callable[..., GunicornServer],
     findings: Findings,
+    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
 ) -> None:
     """The old release serves its table under traffic; the new one starts beside it on the
     same table (4 workers, their first requests upgrade it) while retries cross releases;
@@ -862,7 +875,7 @@ def test_upgrade_new_release_starts_beside_the_old_one(
                 db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
             )
             marked = make_unknown(db, [(old, old), (old, old)], findings)
-            listing = new_release.list_unknown(url)
+            listing = list_unknown(new_release, url)
             findings.wait(
                 lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
                 PHASE_TIMEOUT,
@@ -886,6 +899,7 @@ def test_rollback_old_release_starts_beside_the_new_one(
     store: tuple[str, Layout],
     start_gunicorn: Callable[..., GunicornServer],
     findings: Findings,
+    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
 ) -> None:
     """The new release serves (it upgraded the old release's table on its first requests);
     the old one starts again beside it; both mark keys ``unknown``, and neither undoes the
@@ -907,7 +921,7 @@ def test_rollback_old_release_starts_beside_the_new_one(
             traffic.add(old)
             findings.wait(settled(db), PHASE_TIMEOUT, "the old release's schema work to end")
             marked = make_unknown(db, [(new, new), (new, old), (old, old), (old, new)], findings)
-            listing = new_release.list_unknown(url)
+            listing = list_unknown(new_release, url)
             findings.wait(
                 lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
                 PHASE_TIMEOUT,
