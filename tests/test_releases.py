@@ -84,6 +84,8 @@ RETRY_SHARE = 0.4
 #: how long a phase may take before the test says what it was waiting for (a few phases
 #: fit in pytest's timeout of the test)
 PHASE_TIMEOUT = 20.0
+#: ... once one of them timed out
+STUCK_TIMEOUT = 5.0
 
 BULK = """
 INSERT INTO {table} (tenant, key, fingerprint, status, attempt, generation, locked_until,
@@ -346,6 +348,7 @@ class Findings:
     items: list[str] = field(default_factory=list)
     timeline: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
 
     def add(self, message: str) -> None:
         self.items.append(message)
@@ -354,11 +357,16 @@ class Findings:
         self.timeline.append(f"{time.monotonic() - self.started:.1f} s {what}")
 
     def wait(self, condition: Callable[[], Any], timeout: float, what: str) -> bool:
-        """Wait (bounded) for a condition the product must reach; a finding if it does not."""
+        """Wait (bounded) for a condition the product must reach; a finding if it does not.
+        Once a wait timed out, the next ones are short: the product is stuck, and the test
+        only goes on to find out what else is wrong, within pytest's timeout."""
         self.step(f"waiting for {what}")
+        if self.timed_out:
+            timeout = min(timeout, STUCK_TIMEOUT)
         try:
             wait_until(condition, timeout, what, step=0.05)
         except AssertionError as exc:
+            self.timed_out = True
             self.add(str(exc))
             return False
         return True
@@ -916,7 +924,7 @@ def test_rollback_old_release_starts_beside_the_new_one(
             check_indexes(
                 db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
             )
-            new_indexes = layout(db).indexes
+            new_indexes = new_layout.indexes & layout(db).indexes  # those it has built
             old = serve(start_gunicorn, old_release, url, findings, workers=3)
             traffic.add(old)
             findings.wait(settled(db), PHASE_TIMEOUT, "the old release's schema work to end")
