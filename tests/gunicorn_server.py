@@ -205,8 +205,12 @@ class GunicornServer:
         timeout: int = 60,
         ready_path: str | None = None,
         extra_args: Sequence[str] = (),
+        cwd: Path | None = None,
     ) -> None:
         self.app = app
+        #: the processes' working directory: ``python -m`` puts it first on sys.path, before
+        #: PYTHONPATH (a previous release's code is served from its own directory)
+        self.cwd = cwd or ROOT
         self.log_path = log_path
         self.workers = workers
         self.worker_class = worker_class
@@ -256,7 +260,7 @@ class GunicornServer:
         until a worker answers a GET on it with 200)."""
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+                self.command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout
         while True:
