@@ -229,3 +229,22 @@ def test_listen_and_notify_need_no_privilege(limited_role: LimitedRole) -> None:
         got = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
         assert got == ["hello"]
         assert notifier.execute("SELECT pg_try_advisory_xact_lock(42)").fetchone() == (True,)
+
+
+def test_a_role_that_may_not_add_a_column_is_refused_not_failed_open(
+    make_app: Callable[..., Flask], limited_role: LimitedRole, key: str, db: DB
+) -> None:
+    """A table of an earlier release lacks a column this release needs, and the app's role
+    may not add it: 500 ``store-refused`` (a retry will not help; run ``flask
+    idempotency-init`` as the owner), never a 503 to retry, never the view unprotected."""
+    role, table = limited_role, sql.Identifier(*limited_role.table.split("."))
+    owner = make_app(**role.config)
+    assert owner.test_cli_runner().invoke(args=["idempotency-init"]).exit_code == 0
+    db.execute(sql.SQL("ALTER TABLE {} DROP COLUMN ttl_seconds").format(table))  # an older table
+    grants = sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}")
+    db.execute(grants.format(sql.Identifier(role.schema), sql.Identifier(role.name)))
+    app = make_app(database_url=role.url, IDEMPOTENCY_FAIL_OPEN=True, **role.config)
+    answer = app.test_client().post("/payments", json={}, headers={"Idempotency-Key": key})
+    assert answer.status_code == 500, answer.get_data(as_text=True)
+    assert answer.get_json()["type"].endswith(":store-refused")
+    assert db.execute("SELECT count(*) FROM executions WHERE key = %s", (key,)).fetchone() == (0,)

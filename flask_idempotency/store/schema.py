@@ -267,13 +267,23 @@ class Schema:
         """
         self.upgraded = []
         self._deadline = deadline
+        serve = frozenset({SERVE})
         with _autocommit(conn):
-            state = self.state(conn)
-            if self._missing(state) or self._work(state, frozenset({SERVE})):
-                with self._exclusive(conn, deadline):
-                    self._apply(conn, self.state(conn), frozenset({SERVE}))
+            while True:
                 state = self.state(conn)
-            return bool(self._work(state, frozenset({BUILD})))
+                if not (self._missing(state) or self._work(state, serve)):
+                    return bool(self._work(state, frozenset({BUILD})))
+                # Looks again after each ask: the process holding the lock may have added
+                # what this one needs, then gone on to build indexes for a long while.
+                if _try_lock(conn, self._lock):
+                    try:
+                        self._apply(conn, self.state(conn), serve)
+                    finally:
+                        _unlock(conn, self._lock)
+                elif time.monotonic() >= deadline:
+                    raise SchemaBusy(f"another process is changing the schema of table {self.name}")
+                else:
+                    time.sleep(POLL_SECONDS)
 
     def build(self, conn: psycopg.Connection[Any], stop: threading.Event) -> None:
         """The :data:`BUILD` steps (indexes built concurrently, storage settings), on a
@@ -300,14 +310,16 @@ class Schema:
         stop: threading.Event | None = None,
     ) -> bool:
         """Run the needed steps of *kinds* (holding the schema lock); True if DDL ran."""
-        if self._missing(state):
-            self._create_all(conn)
+        created = self._missing(state)
+        if created:
+            self._create_all(conn, state)
             self.created = [
                 name
                 for name, part in self._table_regclass.items()
                 if self._regclass[part] in state.missing
             ]
-            return True
+            # a shared table another app made with an earlier release: its upgrade too
+            state = self.state(conn)
         work = self._work(state, kinds)
         for step in work:
             if stop is not None and stop.is_set():
@@ -317,15 +329,16 @@ class Schema:
             self.upgraded.append(step.name)
         if work:
             logger.info("upgraded table %s: %s", self.name, ", ".join(s.name for s in work))
-        return bool(work)
+        return created or bool(work)
 
-    def _create_all(self, conn: psycopg.Connection[Any]) -> None:
+    def _create_all(self, conn: psycopg.Connection[Any], state: SchemaState) -> None:
         with conn.transaction():
             storage = _storage(STORAGE)
             conn.execute(sql.SQL(TABLE).format(table=self.table, storage=storage), prepare=False)
             for index, definition in self.indexes.items():
                 conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
-        self._create_jobs(conn)
+        if self._regclass["jobs"] in state.missing:
+            self._create_jobs(conn)
         self._create_console(conn)
         logger.info("created table %s and its indexes", self.name)
 
@@ -402,16 +415,22 @@ class Schema:
     def _create_jobs(self, conn: psycopg.Connection[Any]) -> None:
         # Shared by every app of the database: another app may create it right now.
         # With its index of ordered jobs, built at once on the new (empty) table.
+        # (An earlier release's table keeps its layout here: its steps upgrade it.)
         order_index = sql.Identifier(self._jobs_order_index)
         with _unless_created_meanwhile(), conn.transaction():
+            row = conn.execute(
+                "SELECT to_regclass(%s) IS NULL", [self._regclass["jobs"]], prepare=False
+            ).fetchone()
             conn.execute(
                 sql.SQL(JOBS_SCHEMA).format(
                     jobs=self.jobs, jobs_due_index=sql.Identifier(self._jobs_index)
                 ),
                 prepare=False,
             )
-            create = sql.SQL(CREATE_INDEX).format(name=order_index)
-            conn.execute(create + sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs), prepare=False)
+            if row is not None and row[0]:
+                create = sql.SQL(CREATE_INDEX).format(name=order_index)
+                order = sql.SQL(JOBS_ORDER_INDEX).format(jobs=self.jobs)
+                conn.execute(create + order, prepare=False)
 
     def _lacks_job_columns(self, state: SchemaState) -> bool:
         if self._regclass["jobs"] in state.missing:
