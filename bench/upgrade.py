@@ -131,6 +131,7 @@ SELECT ARRAY(SELECT attname::text FROM pg_attribute
                  WHERE a.wait_event_type = 'Lock' AND a.datname = current_database()), '[]')
 """
 SIZE = "SELECT pg_total_relation_size(to_regclass(%s))"
+OPTIONS = "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)"
 INDEX_NAMES = """
 SELECT indexrelid::regclass::text FROM pg_index
 WHERE indrelid IN (SELECT to_regclass(name) FROM unnest(%s::text[]) AS name)
@@ -242,11 +243,13 @@ def load(db: Postgres, commit: str, keys: int, batch: int = 500_000) -> dict[str
         conn.execute("CHECKPOINT")
         statuses = dict(conn.execute(STATUS_COUNTS).fetchall())
         size = conn.execute(SIZE, [TABLE]).fetchone()[0]  # type: ignore[index]
+        options = conn.execute(OPTIONS, [TABLE]).fetchone()[0]  # type: ignore[index]
         indexes_now = sorted(str(r[0]) for r in conn.execute(INDEX_NAMES, [[TABLE, JOBS]]))
     return {
         "seconds": round(time.monotonic() - started, 1),
         "statuses": statuses,
         "size_bytes": size,
+        "fillfactor": any(o.startswith("fillfactor=") for o in options or []),
         "indexes": indexes_now,
     }
 
@@ -700,9 +703,10 @@ def report(results: dict[str, Any]) -> str:
     ]:
         built = steps.get(step)
         by = f" (built by worker {built[1]} from {built[0]:.1f} s)" if built else ""
-        was = " (there before)" if name in ld["indexes"] else ""
-        w(f"  {name:<37} valid {seconds(wt['valid'].get(name))}{was}{by}")
-    w(f"  fillfactor on the keys table          {seconds(wt['fillfactor'])}")
+        valid = "there before" if name in ld["indexes"] else seconds(wt["valid"].get(name))
+        w(f"  {name:<37} valid {valid}{by}")
+    fillfactor = "there before" if ld["fillfactor"] else seconds(wt["fillfactor"])
+    w(f"  fillfactor on the keys table          {fillfactor}")
     w(f"  upgrade finished                      {seconds(wt['finished'])}")
     w(f"  retired indexes before the init       {results.get('retired_before_init')}")
     if init:
