@@ -43,6 +43,7 @@ import dataclasses
 import http.client
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -60,8 +61,9 @@ import psycopg
 from psycopg import sql
 
 from bench.common import BODY, MIMETYPE, ROOT, BenchError, free_port, get_json, percentile
+from bench.cost import postgres_cpu
 from bench.servers import Gunicorn, Postgres, Processes, app_env, check_library, stop_gunicorn
-from bench.system import library_state, machine
+from bench.system import busy_cpu_seconds, library_state, machine, process_cpu
 from flask_idempotency.fingerprint import fingerprint
 from flask_idempotency.store.ddl import INDEXES, RETIRED_INDEXES
 from flask_idempotency.store.schema import BUILD, RETIRE, SERVE, Schema
@@ -457,6 +459,37 @@ class Poller:
             w.finished = now
 
 
+class Cpu:
+    """CPU seconds since :meth:`start`: the machine's, and this run's own (PostgreSQL,
+    gunicorn and its workers, this process with its client threads), so that the share of
+    the other work on a shared machine is known."""
+
+    def __init__(self, db: Postgres) -> None:
+        self.db = db
+        self.gunicorn: Gunicorn | None = None
+        self.marks: dict[str, tuple[float, float, float]] = {}
+
+    def _now(self) -> tuple[float, float, float]:
+        ours = postgres_cpu(self.db.pid) + process_cpu(os.getpid(), reaped=True)
+        if self.gunicorn is not None:
+            master = self.gunicorn.proc.pid
+            ours += process_cpu(master, reaped=True)
+            ours += sum(process_cpu(pid) for pid in self.gunicorn.worker_pids)
+        return time.monotonic(), busy_cpu_seconds()[0], ours
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self._now()
+
+    def between(self, first: str, last: str) -> dict[str, float]:
+        (t0, busy0, ours0), (t1, busy1, ours1) = self.marks[first], self.marks[last]
+        cpus = os.cpu_count() or 1
+        return {
+            "seconds": round(t1 - t0, 1),
+            "machine_busy": round((busy1 - busy0) / (t1 - t0) / cpus, 3),
+            "ours": round((ours1 - ours0) / (t1 - t0) / cpus, 3),
+        }
+
+
 # -- the new release --------------------------------------------------------------------
 
 
@@ -629,10 +662,12 @@ def read_log(workdir: Path, t0_wall: float) -> dict[str, Any]:
         if len(parts) < 4:
             continue
         pid = int(parts[1].strip("<>"))
-        if pid not in first:
+        if pid not in first:  # the access log's line is written as the answer goes
+            end, took = float(parts[0]) - t0_wall, int(parts[2]) / 1e6
             first[pid] = {
-                "at": round(float(parts[0]) - t0_wall, 3),
-                "server_ms": int(parts[2]) / 1000,
+                "from": round(end - took, 3),
+                "to": round(end, 3),
+                "server_ms": took * 1000,
                 "status": int(parts[3]),
             }
     return {
@@ -714,7 +749,14 @@ def report(results: dict[str, Any]) -> str:
             f"  flask idempotency-init                from {init['start']:.1f} s, took"
             f" {init['seconds']:.2f} s, exit {init['exit']}: {init['stdout']!r}"
         )
+        for name in RETIRED:
+            w(f"  {name:<37} dropped {seconds(wt['gone'].get(name))}")
         w(f"  retired indexes after the init        {results.get('retired_after_init')}")
+        again = results["init_again"]
+        w(
+            f"  flask idempotency-init again          took {again['seconds']:.2f} s, exit"
+            f" {again['exit']}: {again['stdout']!r} (a fresh process with nothing to do)"
+        )
         w(
             f"  unknown keys without reconcile_due_at {results.get('unknown_not_due_before')}"
             f" before the init, {results.get('unknown_not_due_after')} after"
@@ -722,13 +764,15 @@ def report(results: dict[str, Any]) -> str:
     w("")
     w(
         "phase (by send time)        requests  req/s     2xx   409   5xx  error"
-        "  p50 ms  p99 ms   max ms"
+        "  p50 ms  p99 ms   max ms   CPU busy (ours)"
     )
     for name, p in results["phases"].items():
+        c = p.get("cpu")
+        busy = f"{c['machine_busy']:>6.0%} ({c['ours']:.0%})" if c else ""
         w(
             f"{name:<27} {p['requests']:>9,} {p['rate']:>6.0f} {p['2xx']:>7,} {p['409']:>5,}"
             f" {p['5xx']:>5,} {p['error']:>6,} {ms(p['p50_ms']):>7} {ms(p['p99_ms']):>7}"
-            f" {ms(p['max_ms']):>8}"
+            f" {ms(p['max_ms']):>8}  {busy}"
         )
     everything = results["phases"]["all"]
     w(f"  answers other than 2xx: {everything['problems'] or 'none'}")
@@ -739,11 +783,11 @@ def report(results: dict[str, Any]) -> str:
     gl = results["log"]
     w("")
     w("each worker: booted, its first request (server time, status)")
-    for pid, f in sorted(gl["first_requests"].items(), key=lambda x: x[1]["at"]):
+    for pid, f in sorted(gl["first_requests"].items(), key=lambda x: x[1]["from"]):
         boot = gl["boots"].get(pid)
         w(
-            f"  pid {pid}: booted {seconds(boot)}, first request at {f['at']:.2f} s:"
-            f" {f['server_ms']:.1f} ms, {f['status']}"
+            f"  pid {pid}: booted {seconds(boot)}, first request from {f['from']:.2f} s to"
+            f" {f['to']:.2f} s: {f['server_ms']:.1f} ms, {f['status']}"
         )
     ex = results["executions"]
     w(f"keys whose view ran twice: {ex['twice']} of {ex['keys']:,} keys that ran")
@@ -799,6 +843,7 @@ def run(args: argparse.Namespace, workdir: Path, processes: Processes) -> dict[s
     traffic: Traffic | None = None
     poller: Poller | None = None
     server: Gunicorn | None = None
+    cpu = Cpu(db)
     try:
         shown = db.start(log)
         shown["maintenance_work_mem"] = db.query("SHOW maintenance_work_mem")[0][0]
@@ -820,26 +865,33 @@ def run(args: argparse.Namespace, workdir: Path, processes: Processes) -> dict[s
         t0_wall = time.time()
         traffic.t0 = t0
         poller.start(t0)
+        cpu.mark("start")
         log(f"starting this release's gunicorn ({args.workers} workers) under traffic")
-        server = start_release(processes, workdir, args.workers, env, port)
+        server = cpu.gunicorn = start_release(processes, workdir, args.workers, env, port)
         results["workers_up"] = round(wait_for_release(server, workdir), 2)
         deadline = t0 + args.upgrade_timeout
         wait_until(lambda: poller.watch.finished is not None, deadline, "the upgrade")
         finished = poller.watch.finished
         assert finished is not None
+        cpu.mark("finished")
         log(f"upgrade finished {finished:.1f} s after the start; {args.seconds} s more traffic")
         time.sleep(args.seconds)
         results["retired_before_init"] = retired_present(db.url)
+        cpu.mark("init")
         init_start = time.monotonic() - t0
         log("flask idempotency-init, under the same traffic")
         init = run_init(env, args.init_timeout)
         init["start"] = round(init_start, 2)
         init_end = time.monotonic() - t0
+        cpu.mark("init_end")
         results["init"] = init
         log(f"init: {init}")
         results["retired_after_init"] = retired_present(db.url)
         results["unknown_not_due_after"] = scalar(db.url, UNKNOWN_NOT_DUE)
+        # the same command with nothing left to do: what starting the process costs
+        results["init_again"] = run_init(env, args.init_timeout)
         time.sleep(args.after_init)
+        cpu.mark("end")
         traffic.stop()
         end = time.monotonic() - t0
         poller.stop()
@@ -864,6 +916,15 @@ def run(args: argparse.Namespace, workdir: Path, processes: Processes) -> dict[s
         "all": (0.0, end),
     }
     results["phases"] = {name: phase_figures(answers, *span) for name, span in bounds.items()}
+    marks = {
+        "upgrade (until it finished)": ("start", "finished"),
+        "after the upgrade": ("finished", "init"),
+        "flask idempotency-init": ("init", "init_end"),
+        "after the init": ("init_end", "end"),
+        "all": ("start", "end"),
+    }
+    for name, (first, last) in marks.items():
+        results["phases"][name]["cpu"] = cpu.between(first, last)
     results["refused"] = sum(traffic.refused)
     counts = executions(exec_dir)
     results["executions"] = {
@@ -904,7 +965,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests a second offered by all clients together; 0: as fast as"
         " answered (default 200)",
     )
-    p.add_argument("--clients", type=int, default=8, help="client threads (default 8)")
+    p.add_argument("--clients", type=int, default=16, help="client threads (default 16)")
     p.add_argument("--workers", type=int, default=4, help="gunicorn sync workers (default 4)")
     p.add_argument(
         "--upgrade-timeout",
