@@ -895,6 +895,7 @@ def run(args: argparse.Namespace, workdir: Path, processes: Processes) -> dict[s
         traffic.stop()
         end = time.monotonic() - t0
         poller.stop()
+        time.sleep(1.0)  # a worker writes its last access-log line after the answer went
     finally:
         if traffic is not None:
             traffic.stop()
