@@ -692,6 +692,10 @@ def ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
+def per_second(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
+
+
 def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
@@ -770,9 +774,9 @@ def report(results: dict[str, Any]) -> str:
         c = p.get("cpu")
         busy = f"{c['machine_busy']:>6.0%} ({c['ours']:.0%})" if c else ""
         w(
-            f"{name:<27} {p['requests']:>9,} {p['rate']:>6.0f} {p['2xx']:>7,} {p['409']:>5,}"
-            f" {p['5xx']:>5,} {p['error']:>6,} {ms(p['p50_ms']):>7} {ms(p['p99_ms']):>7}"
-            f" {ms(p['max_ms']):>8}  {busy}"
+            f"{name:<27} {p['requests']:>9,} {per_second(p['rate']):>6} {p['2xx']:>7,}"
+            f" {p['409']:>5,} {p['5xx']:>5,} {p['error']:>6,} {ms(p['p50_ms']):>7}"
+            f" {ms(p['p99_ms']):>7} {ms(p['max_ms']):>8}  {busy}"
         )
     everything = results["phases"]["all"]
     w(f"  answers other than 2xx: {everything['problems'] or 'none'}")
