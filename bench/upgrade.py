@@ -10,7 +10,7 @@
    release's indexes, no ``on_abandoned`` nor ``ttl_seconds``). ``--keys`` rows by SQL
    (94 % completed, 3 % retryable, 2 % processing whose lease ran out, 1 % unknown; created
    over the last day, expiring over the next), the indexes built after the load, then
-   ``VACUUM (ANALYZE)``, a checkpoint, and a pause until the kernel wrote the load out.
+   ``VACUUM (ANALYZE)`` and a checkpoint.
 3. Traffic first: ``--clients`` threads of ``http.client`` (``--rate`` requests a second
    between them; 0: each as fast as answers come) start before the new release, and send
    to its port from the moment it accepts connections: 70 % new keys, 20 % retries of a
@@ -27,8 +27,8 @@
    ``flask idempotency-init`` runs as a fresh process (timed; it drops the earlier
    release's indexes and marks its unknown keys due), then ``--after-init`` seconds more.
 6. The report: the timeline, each phase's answers by status with p50/p99/max latency, each
-   worker's first request, the keys whose view ran twice, every log line at WARNING or
-   above. Written to ``bench/out/upgrade-<from>.txt`` and ``.json``.
+   worker's first request, the keys whose view ran twice, gunicorn's warnings by kind and
+   every error or traceback in its log. Written to ``bench/out/upgrade-<from>.txt`` and ``.json``.
 
 Everything it started (PostgreSQL, gunicorn, the init) is stopped by PID on exit, on an
 error, Ctrl-C or SIGTERM too; ``--time-limit`` bounds the whole run.
@@ -591,22 +591,20 @@ def wait_until(event: Any, deadline: float, what: str) -> None:
 # -- the report -----------------------------------------------------------------------------
 
 
+def status_class(status: int) -> str:
+    """2xx, 409, 5xx, error (no answer) or other."""
+    if 200 <= status < 300:
+        return "2xx"
+    if status in (0, 409):
+        return "error" if status == 0 else "409"
+    return "5xx" if status >= 500 else "other"
+
+
 def phase_figures(answers: list[Answer], start: float, end: float) -> dict[str, Any]:
     """The answers to the requests sent in [start, end): counts by status, latencies (ms)."""
     mine = [a for a in answers if start <= a.sent < end]
     times = [a.latency * 1000 for a in mine]
-    by = collections.Counter(
-        "2xx"
-        if 200 <= a.status < 300
-        else "409"
-        if a.status == 409
-        else "5xx"
-        if a.status >= 500
-        else "error"
-        if a.status == 0
-        else "other"
-        for a in mine
-    )
+    by = collections.Counter(status_class(a.status) for a in mine)
     kinds = collections.Counter(
         f"{a.status} {a.what}".strip() for a in mine if a.status == 0 or a.status >= 400
     )
@@ -617,6 +615,7 @@ def phase_figures(answers: list[Answer], start: float, end: float) -> dict[str, 
         "rate": len(mine) / (end - start) if end > start else math.nan,
         **{k: by.get(k, 0) for k in ("2xx", "409", "5xx", "error", "other")},
         "replayed": sum(1 for a in mine if a.what == "replayed"),
+        "sent": dict(collections.Counter(a.kind for a in mine)),
         "problems": dict(kinds),
         "p50_ms": percentile(times, 50),
         "p99_ms": percentile(times, 99),
