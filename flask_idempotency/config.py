@@ -21,7 +21,6 @@ from typing import Any, Literal, TypeVar
 from .encryption import check_encryptor
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
 from .fingerprint import Exclusions, fingerprint_function, parse_exclusions
-from .store.conninfo import conninfo_params
 
 PREFIX = "IDEMPOTENCY_"
 
@@ -71,8 +70,9 @@ _URL_SCHEME = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def _conninfo(value: Any, key: str) -> str | None:
-    """A libpq URL or conninfo string, parsed now (no connection is made) so that a
-    typo fails at start-up rather than as a 503 on every request."""
+    """A libpq URL or conninfo string: what can be told without libpq (the store parses
+    it as libpq does when ``init_app`` makes it, :func:`.store.conninfo.check_conninfo`),
+    so that a typo fails at start-up rather than as a 503 on every request."""
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{key} must be a libpq URL or conninfo string.")
     if not value:
@@ -88,15 +88,6 @@ def _conninfo(value: Any, key: str) -> str | None:
             " (SQLAlchemy's 'postgresql+psycopg://' becomes 'postgresql://') or a conninfo"
             " string ('host=... dbname=...')."
         )
-    try:
-        params = conninfo_params(value)
-    except ValueError as exc:
-        # libpq's reason, not the value: it may hold a password.
-        reason = str(exc)
-        raise ConfigError(f"{key} is not a valid libpq URL or conninfo string: {reason}") from None
-    ports = str(params.get("port") or "").split(",")
-    if not all(p == "" or (p.isdigit() and 0 < int(p) < 65536) for p in ports):
-        raise ConfigError(f"{key} has an invalid port: {params['port']!r}.")
     return value
 
 

@@ -241,9 +241,9 @@ class Rerun:
         outcome = ClaimOutcome(
             Decision.TAKEN_OVER,
             fingerprint=self.fingerprint,
-            attempt=row[0],
-            generation=row[1],
-            recovery_point=row[2],
+            attempt=row.attempt,
+            generation=row.generation,
+            recovery_point=row.recovery_point,
             previous_attempt=self.attempt,
             previous_status=self.status,
         )

@@ -20,6 +20,7 @@ from ..model import KeyStatus
 from ..rerun import Rerun
 from ..state import get_state
 from ..store.batches import Batches
+from ..store.records import DueKey, PendingKey
 from ..stored_request import StoredRequest
 from .report import Outcome
 from .report import summary as report_summary
@@ -40,7 +41,7 @@ class Completer:
         #: how long a batch reserves its keys (the app's IDEMPOTENCY_LEASE)
         self.hold = hold
 
-    def due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
+    def due(self, older_than: timedelta, limit: int) -> list[PendingKey]:
         """The keys a batch would take now (for ``--dry-run``); changes nothing."""
         return self.batches.count_due(older_than, limit)
 
@@ -63,10 +64,12 @@ class Completer:
         rows = self.batches.due_for_completion(older_than, limit, self.hold, only)
         return [self._report(self._run_row(row)) for row in rows]
 
-    def _run_row(self, row: tuple[Any, ...]) -> Outcome:
-        tenant, key, status, attempt, generation, fingerprint, document, body, reserved = row[:9]
+    def _run_row(self, due: DueKey) -> Outcome:
+        tenant, key, attempt = due.tenant, due.key, due.attempt
         try:
-            stored = self.batches.open_request(tenant, key, document, body)
+            if due.request is None:
+                raise ValueError("the key has no stored request")
+            stored = self.batches.open_request(tenant, key, due.request, due.request_body)
         except ValueError as exc:
             stored = StoredRequest("?", "?")
             error: str | None = str(exc)
@@ -76,12 +79,12 @@ class Completer:
             tenant,
             key,
             stored,
-            bytes(fingerprint),
-            KeyStatus(status),
+            due.fingerprint,
+            due.status,
             attempt,
-            generation,
-            reserved,
-            on_abandoned=row[9],
+            due.generation,
+            due.reserved,
+            on_abandoned=due.on_abandoned,
         )
         report = Outcome(tenant, key, SKIPPED, attempt, error) if error else self._run(rerun)
         if report.outcome in (SKIPPED, RACED) and rerun.outcome is None:
@@ -115,11 +118,12 @@ class Completer:
             return Outcome(tenant, key, SKIPPED, rerun.attempt, _not_reached(rerun, answered))
         if not outcome.owns_key:
             return Outcome(tenant, key, MARKED_UNKNOWN, outcome.attempt, "ON_ABANDONED=unknown")
-        row = self.batches.key_state(tenant, key)
-        if row is None or row[1] != outcome.attempt or row[0] == KeyStatus.PROCESSING.value:
+        now = self.batches.key_state(tenant, key)
+        if now is None or now.attempt != outcome.attempt or now.status == KeyStatus.PROCESSING:
             return Outcome(tenant, key, FENCED, outcome.attempt, "another attempt holds the key")
-        detail = f"status {row[2]}" if row[2] is not None else f"answered {answered}"
-        return Outcome(tenant, key, row[0], outcome.attempt, detail)
+        code = now.response_status
+        detail = f"status {code}" if code is not None else f"answered {answered}"
+        return Outcome(tenant, key, now.status, outcome.attempt, detail)
 
     def _report(self, report: Outcome) -> Outcome:
         """Log and signal one key's outcome."""

@@ -10,7 +10,6 @@ returned: a crash in between means the job is handed over again, with the same i
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import traceback
 from collections.abc import Callable
@@ -78,24 +77,23 @@ class Dispatcher:
         :raises StoreError: the store failed; nothing was forgotten.
         """
         outcomes: list[Outcome] = []
-        with self.batches.due_jobs(limit) as (rows, batch):
-            while rows:
-                handed_over = self._run_round(rows, batch, outcomes)
+        with self.batches.due_jobs(limit) as (jobs, batch):
+            while jobs:
+                handed_over = self._run_round(jobs, batch, outcomes)
                 if not handed_over or len(outcomes) >= limit:
                     break
-                rows = self.batches.next_jobs(limit - len(outcomes), handed_over, batch)
+                jobs = self.batches.next_jobs(limit - len(outcomes), handed_over, batch)
         return outcomes
 
     def _run_round(
-        self, rows: list[tuple[Any, ...]], batch: PinnedConnection, outcomes: list[Outcome]
+        self, jobs: list[Job], batch: PinnedConnection, outcomes: list[Outcome]
     ) -> list[tuple[str, str]]:
         """Hand one round's jobs over, forget or reschedule them in the batch's
         transaction: the keys whose ordered job was handed over (their next one is due)."""
         done: list[str] = []
         kept: list[Undispatched] = []
         handed_over: list[tuple[str, str]] = []
-        for row in rows:
-            job = Job(row[0], row[1], json.loads(row[2]), *row[3:8])
+        for job in jobs:
             undispatched = self._hand_over(job)
             if undispatched is None:
                 done.append(job.id)

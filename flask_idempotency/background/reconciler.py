@@ -29,6 +29,7 @@ from ..model import KeyStatus, StoredResponse
 from ..settling import answer_of, settle
 from ..state import IdempotencyState
 from ..store.batches import Batches
+from ..store.records import UnknownDue
 from ..store.rows import storable_text
 from ..stored_request import StoredRequest
 from .dispatch import MAX_BACKOFF
@@ -137,7 +138,7 @@ class Reconciliation:
         )
         if scheduled is None:
             return _outcome(key, "raced", "the key changed meanwhile")
-        looks, due_in = scheduled
+        looks, due_in = scheduled.looks, scheduled.due_in
         who: dict[str, Any] = {"tenant": key.tenant, "key": key.key, "looks": looks}
         if looks >= settings.reconcile_max_attempts:
             logger.error(
@@ -168,11 +169,13 @@ def summary(looks: list[Outcome]) -> str:
     return report_summary(looks, OUTCOMES[:3], OUTCOMES[3:])
 
 
-def _unknown_key(row: tuple[Any, ...], batches: Batches) -> UnknownKey:
-    tenant, key, attempt, generation, point, looks, document, body = row
+def _unknown_key(due: UnknownDue, batches: Batches) -> UnknownKey:
+    tenant, key, document = due.tenant, due.key, due.request
     try:
         request = (
-            batches.open_request(tenant, key, document, body) if document is not None else None
+            batches.open_request(tenant, key, document, due.request_body)
+            if document is not None
+            else None
         )
     except ValueError as exc:
         # A tampered stored request, or one no key decrypts: decide without it.
@@ -180,4 +183,6 @@ def _unknown_key(row: tuple[Any, ...], batches: Batches) -> UnknownKey:
             "reconcile=request_unreadable tenant=%s key=%r: %s", tenant_tag(tenant), key, exc
         )
         request = None
-    return UnknownKey(tenant, key, attempt, generation, point, looks, request)
+    return UnknownKey(
+        tenant, key, due.attempt, due.generation, due.recovery_point, due.looks, request
+    )

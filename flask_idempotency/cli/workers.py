@@ -67,8 +67,8 @@ def complete_command(
             rows = completer.due(age, limit)
         for row in rows:
             click.echo(
-                f"due tenant={row['tenant']!r} key={row['key']!r} status={row['status']}"
-                f" attempt={row['attempt']}"
+                f"due tenant={row.tenant!r} key={row.key!r} status={row.status}"
+                f" attempt={row.attempt}"
             )
         click.echo(f"dry run: {len(rows)} key(s) due")
         return

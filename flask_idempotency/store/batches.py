@@ -16,9 +16,21 @@ from typing import Any
 
 from psycopg import sql
 
+from ..jobs import Job
 from ..keys import lock_id
 from ..stored_request import StoredRequest
 from .postgres import PinnedConnection, PostgresStore
+from .records import (
+    DueKey,
+    KeyState,
+    PendingKey,
+    Rescheduled,
+    Taken,
+    UnknownDue,
+    jobs_of,
+    record_of,
+    records,
+)
 from .statements_background import (
     COUNT_DUE_FOR_COMPLETION,
     DEFERRED,
@@ -80,10 +92,8 @@ class Batches:
         limit: int,
         hold: timedelta,
         only: tuple[str, str] | None = None,
-    ) -> list[tuple[Any, ...]]:
-        """Reserve up to *limit* due keys for *hold* (only the key *only*, if given):
-        ``(tenant, key, status, attempt, generation, fingerprint, request,
-        request_body, reserved)`` each."""
+    ) -> list[DueKey]:
+        """Reserve up to *limit* due keys for *hold* (only the key *only*, if given)."""
         params = {
             "older_than": older_than,
             "limit": limit,
@@ -91,12 +101,12 @@ class Batches:
             "only_tenant": only[0] if only else None,
             "only_key": only[1] if only else None,
         }
-        return self.store.fetch(self._due_for_completion, params).rows
+        return records(DueKey, self.store.fetch(self._due_for_completion, params))
 
-    def count_due(self, older_than: timedelta, limit: int) -> list[dict[str, Any]]:
+    def count_due(self, older_than: timedelta, limit: int) -> list[PendingKey]:
         """The keys a completer batch would take now; reserves nothing."""
         params = {"older_than": older_than, "limit": limit}
-        return self.store.fetch(self._count_due, params).dicts()
+        return records(PendingKey, self.store.fetch(self._count_due, params))
 
     def take_over(
         self,
@@ -107,11 +117,10 @@ class Batches:
         ttl: timedelta,
         on_abandoned: str,
         pinned: PinnedConnection | None = None,
-    ) -> tuple[Any, ...] | None:
+    ) -> Taken | None:
         """Take a reserved key over as a client retry would (the next attempt, fenced
         by the reservation, recording the route's *on_abandoned* and *ttl* as a claim
-        does): ``(attempt, generation, recovery_point)``, or None if the key changed
-        meanwhile."""
+        does); None if the key changed meanwhile."""
         params = _fence_params(fence)
         params.update(
             fingerprint=fingerprint,
@@ -120,7 +129,7 @@ class Batches:
             on_abandoned=on_abandoned,
             lock_id=lock_id(fence[0], fence[1]),
         )
-        return self.store.run(self._take_over, params, pinned)[1]
+        return record_of(Taken, self.store.fetch(self._take_over, params, pinned))
 
     def unreserve(self, fence: Fence) -> None:
         """Leave a key that was not run as it was: end the batch's reservation."""
@@ -131,22 +140,21 @@ class Batches:
         ``unknown``; False if it changed meanwhile."""
         return self.store.run(self._mark_unknown, _fence_params(fence))[0] == 1
 
-    def key_state(self, tenant: str, key: str) -> tuple[Any, ...] | None:
-        """``(status, attempt, response_status)`` of a key, or None."""
-        return self.store.run(self._key_state, {"tenant": tenant, "key": key})[1]
+    def key_state(self, tenant: str, key: str) -> KeyState | None:
+        """What a key is now, or None."""
+        rows = self.store.fetch(self._key_state, {"tenant": tenant, "key": key})
+        return record_of(KeyState, rows)
 
     # -- the reconciler -------------------------------------------------------------
 
     def due_for_reconcile(
         self, max_attempts: int, limit: int, hold: timedelta
-    ) -> list[tuple[Any, ...]]:
-        """Reserve up to *limit* due ``unknown`` keys for *hold*: ``(tenant, key,
-        attempt, generation, recovery_point, reconcile_attempts, request,
-        request_body)`` each."""
+    ) -> list[UnknownDue]:
+        """Reserve up to *limit* due ``unknown`` keys for *hold*."""
         retired = {"retired_unknown_index": self.store.schema.retired_unknown_index}
         self.store.run(self._mark_unknown_due, retired)
         params = {"max_attempts": max_attempts, "limit": limit, "hold": hold}
-        return self.store.fetch(self._due_for_reconcile, params).rows
+        return records(UnknownDue, self.store.fetch(self._due_for_reconcile, params))
 
     def reschedule(
         self,
@@ -155,10 +163,10 @@ class Batches:
         backoff: timedelta,
         cap: timedelta,
         error: str | None,
-    ) -> tuple[int, float] | None:
+    ) -> Rescheduled | None:
         """Count an undecided look at an ``unknown`` key (fenced by *fence*: tenant,
-        key, attempt, generation, reconcile_attempts) and schedule the next:
-        ``(reconcile_attempts, seconds until due)``, or None if the key changed."""
+        key, attempt, generation, reconcile_attempts) and schedule the next; None if the
+        key changed."""
         tenant, key, attempt, generation, looks = fence
         params = {
             "tenant": tenant,
@@ -170,16 +178,14 @@ class Batches:
             "cap": cap,
             "error": error,
         }
-        row = self.store.run(self._reschedule, params)[1]
-        return None if row is None else (int(row[0]), float(row[1]))
+        return record_of(Rescheduled, self.store.fetch(self._reschedule, params))
 
     # -- the dispatcher -------------------------------------------------------------
 
     @contextmanager
-    def due_jobs(self, limit: int) -> Iterator[tuple[list[tuple[Any, ...]], PinnedConnection]]:
-        """Lock up to *limit* due jobs in a transaction that lasts the block: ``(id,
-        name, payload, tenant, key, attempts, traceparent, ordered)`` each, and the
-        transaction for :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`.
+    def due_jobs(self, limit: int) -> Iterator[tuple[list[Job], PinnedConnection]]:
+        """Lock up to *limit* due jobs in a transaction that lasts the block: the jobs,
+        and the transaction for :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`.
         Commits when the block ends, rolls back if it raises.
 
         Its statements are never prepared: a lost prepared statement would abort a
@@ -189,8 +195,8 @@ class Batches:
         pinned = store.pin()
         try:
             params = {"limit": limit}
-            rows = store.fetch(self._due_jobs, params, pinned, prepare=False).rows
-            yield rows, pinned
+            rows = store.fetch(self._due_jobs, params, pinned, prepare=False)
+            yield jobs_of(rows), pinned
         except BaseException:
             store.unpin(pinned, commit=False)
             raise
@@ -198,16 +204,16 @@ class Batches:
 
     def next_jobs(
         self, limit: int, handed_over: list[tuple[str, str]], pinned: PinnedConnection
-    ) -> list[tuple[Any, ...]]:
+    ) -> list[Job]:
         """The batch's next round: the due successors (up to *limit*) of the ordered
         jobs of the keys *handed_over* (``(tenant, key)`` each), locked in the batch's
-        transaction; as :meth:`due_jobs` rows."""
+        transaction."""
         params = {
             "limit": limit,
             "tenants": [tenant for tenant, _ in handed_over],
             "keys": [key for _, key in handed_over],
         }
-        return self.store.fetch(self._next_jobs, params, pinned, prepare=False).rows
+        return jobs_of(self.store.fetch(self._next_jobs, params, pinned, prepare=False))
 
     def forget_jobs(self, ids: list[str], pinned: PinnedConnection) -> None:
         """Delete the jobs *ids* (handed over) in the batch's transaction."""

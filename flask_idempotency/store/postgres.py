@@ -33,6 +33,7 @@ from ..jobs import StagedJob, stage_params
 from ..keys import lock_id
 from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
+from .conninfo import check_conninfo
 from .pool import (
     bounded,
     connection_parameters,
@@ -88,6 +89,7 @@ class PostgresStore:
     """
 
     def __init__(self, settings: Settings, pool: ConnectionPool[Any] | None = None) -> None:
+        check_conninfo(settings)
         self.settings = settings
         self._given_pool = pool
         self._pool: ConnectionPool[Any] | None = None

@@ -32,7 +32,7 @@ WITH due AS (
 UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
 RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
-          k.request, k.request_body, k.locked_until, k.on_abandoned
+          k.request, k.request_body, k.locked_until AS reserved, k.on_abandoned
 """
 
 COUNT_DUE_FOR_COMPLETION = """
@@ -106,8 +106,8 @@ WITH due AS (
 )
 UPDATE {table} AS k SET reconcile_due_at = now() + %(hold)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
-RETURNING k.tenant, k.key, k.attempt, k.generation, k.recovery_point, k.reconcile_attempts,
-          k.request, k.request_body
+RETURNING k.tenant, k.key, k.attempt, k.generation, k.recovery_point,
+          k.reconcile_attempts AS looks, k.request, k.request_body
 """
 
 # An earlier release (f804229's layout) serving beside this one marks keys unknown
@@ -132,7 +132,7 @@ SET reconcile_attempts = reconcile_attempts + 1,
     reconcile_error = %(error)s
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
   AND (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s)
-RETURNING reconcile_attempts, extract(epoch FROM reconcile_due_at - now())
+RETURNING reconcile_attempts AS looks, extract(epoch FROM reconcile_due_at - now()) AS due_in
 """
 
 # The dead-letter list: unknown keys that had their last undecided look.
@@ -153,7 +153,8 @@ LIMIT %(limit)s
 # held by another dispatcher: its row is still there), one probe of the order index.
 # Successors of the jobs a batch hands over come in its next rounds (NEXT_JOBS).
 DUE_JOBS = """
-SELECT id::text, name, payload, tenant, key, attempts, traceparent, seq IS NOT NULL
+SELECT id::text AS id, name, payload, tenant, key, attempts, traceparent,
+       seq IS NOT NULL AS ordered
 FROM {jobs} AS j
 WHERE NOT dead AND due_at <= now()
   AND (seq IS NULL OR NOT EXISTS (
@@ -168,8 +169,8 @@ FOR UPDATE SKIP LOCKED
 # key's first ordered job left, in the batch's own view), if it is due and not dead.
 # Other dispatchers still see the handed-over job, so none of them takes it.
 NEXT_JOBS = """
-SELECT next.id::text, next.name, next.payload, next.tenant, next.key, next.attempts,
-       next.traceparent, true
+SELECT next.id::text AS id, next.name, next.payload, next.tenant, next.key, next.attempts,
+       next.traceparent, true AS ordered
 FROM unnest(%(tenants)s::text[], %(keys)s::text[]) AS done (tenant, key)
 CROSS JOIN LATERAL (
     SELECT * FROM {jobs} AS j
