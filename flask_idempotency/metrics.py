@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from . import signals
 from .errors import StoreError
 from .state import get_state
+from .store.records import Backlog, Heartbeat, StuckCounts
 
 #: the ``decision`` label → the signal it counts
 DECISIONS = {
@@ -208,9 +209,9 @@ class StuckKeysCollector(Collector):
         yield self._last_batch()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        stuck: dict[tuple[str, str], tuple[int, int, int]] = {}
-        backlog: dict[tuple[str, str], tuple[int, int, int, int]] = {}
-        beats: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        stuck: dict[tuple[str, str], StuckCounts] = {}
+        backlog: dict[tuple[str, str], Backlog] = {}
+        beats: dict[tuple[str, str], list[Heartbeat]] = {}
         for app in list(self._apps):
             state = get_state(app)
             # apps on one table (several create_app() of one service) count once
@@ -226,20 +227,20 @@ class StuckKeysCollector(Collector):
             self._read_heartbeats(app, beats)
         if stuck:
             family = self._stuck()
-            for index, name in enumerate(("abandoned", "unknown", "exhausted")):
-                family.add_metric([name], sum(row[index] for row in stuck.values()))
+            for name in ("abandoned", "unknown", "exhausted"):
+                family.add_metric([name], sum(getattr(row, name) for row in stuck.values()))
             yield family
         if backlog:
-            yield self._deferred(sum(row[0] for row in backlog.values()))
+            yield self._deferred(sum(row.deferred for row in backlog.values()))
             jobs = self._jobs()
-            for index, name in enumerate(("due", "failing", "dead"), start=1):
-                jobs.add_metric([name], sum(row[index] for row in backlog.values()))
+            for name in ("due", "failing", "dead"):
+                jobs.add_metric([name], sum(getattr(row, name) for row in backlog.values()))
             yield jobs
         if beats:
             yield self._last_batches(beats)
 
     @staticmethod
-    def _read_heartbeats(app: Flask, beats: dict[tuple[str, str], list[dict[str, Any]]]) -> None:
+    def _read_heartbeats(app: Flask, beats: dict[tuple[str, str], list[Heartbeat]]) -> None:
         """*app*'s heartbeats into *beats*, once per heartbeats table; nothing when that
         read fails (the other gauges stay: the table may not be created yet)."""
         state = get_state(app)
@@ -254,17 +255,15 @@ class StuckKeysCollector(Collector):
         except StoreError:
             return
 
-    def _last_batches(
-        self, beats: dict[tuple[str, str], list[dict[str, Any]]]
-    ) -> GaugeMetricFamily:
+    def _last_batches(self, beats: dict[tuple[str, str], list[Heartbeat]]) -> GaugeMetricFamily:
         family = self._last_batch()
         seen: set[tuple[str, str]] = set()
         for rows in beats.values():
             for row in rows:
-                labels = (str(row["command"]), str(row["host"]))
+                labels = (row.command, row.host)
                 if labels not in seen:  # two tables on one host: the first one's
                     seen.add(labels)
-                    family.add_metric(list(labels), row["finished_at"].timestamp())
+                    family.add_metric(list(labels), row.finished_at.timestamp())
         return family
 
     @staticmethod

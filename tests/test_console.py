@@ -563,7 +563,7 @@ def test_heartbeats_show_and_a_stale_loop_is_marked(console: Console) -> None:
         ops.beat("clean", "host-a", 13, None, {"deleted": 5})
         ops.beat("dispatch", "host-a", 14, 1.0, {"dispatched": 4})
         beats = ops.heartbeats()
-    assert [(b["command"], b["pid"], b["counts"], b["stale"]) for b in beats] == [
+    assert [(b.command, b.pid, b.counts, b.stale) for b in beats] == [
         ("clean", 13, {"deleted": 5}, False),
         ("dispatch", 14, {"dispatched": 4}, False),
     ]

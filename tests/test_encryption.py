@@ -292,7 +292,7 @@ def test_run_once_with_a_failing_encryptor(make_app: Callable[..., Flask], key: 
             app.extensions["idempotency"].extension.run_once(
                 key, lambda: calls.append(1) or {"ok": True}
             )
-        assert app.extensions["idempotency"].maintenance.get_key("", key)["status"] == (
+        assert app.extensions["idempotency"].maintenance.get_key("", key).status == (
             KeyStatus.UNKNOWN.value
         )
     assert calls == [1]

@@ -132,8 +132,8 @@ def test_a_completed_key_shows_no_lease(make_app: Callable[..., Flask], db: DB) 
         listed = get_state().maintenance.list_keys(
             status=None, tenant=None, older_than=timedelta(0), limit=1000
         )
-    assert shown is not None and shown["locked_until"] is None
-    assert [row["locked_until"] for row in listed if row["key"] == "leased"] == [None]
+    assert shown is not None and shown.locked_until is None
+    assert [row.locked_until for row in listed if row.key == "leased"] == [None]
 
 
 def abandon(db: DB, key: str, created: str, expires: str) -> None:
@@ -173,7 +173,7 @@ def test_an_unknown_key_is_due_for_the_reconciler(make_app: Callable[..., Flask]
     app = make_app(IDEMPOTENCY_ON_ABANDONED="unknown")
     post(app.test_client(), "/payments", "warm-up")
     with app.app_context():
-        unknown_before = get_state().maintenance.count_stuck(3)[1]
+        unknown_before = get_state().maintenance.count_stuck(3).unknown
     abandon(db, "lost", "5 minutes", "1 day")
     result = app.test_cli_runner().invoke(args=["idempotency-clean"])
     assert result.exit_code == 0, result.output
@@ -182,7 +182,7 @@ def test_an_unknown_key_is_due_for_the_reconciler(make_app: Callable[..., Flask]
     ).fetchone()
     assert row == ("unknown", True)
     with app.app_context():
-        assert get_state().maintenance.count_stuck(3)[1] == unknown_before + 1
+        assert get_state().maintenance.count_stuck(3).unknown == unknown_before + 1
 
 
 def test_the_indexes_cover_no_column_the_common_finish_changes() -> None:

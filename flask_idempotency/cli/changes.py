@@ -169,12 +169,12 @@ def audit_command(tenant: str | None, key: str | None, limit: int) -> None:
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     for row in rows:
-        target = f"job={row['job_id']} name={row['job_name']!r}" if row["job_id"] else ""
-        if row["key"] is not None:
-            target = f"tenant={row['tenant']!r} key={row['key']!r} {target}".strip()
+        target = f"job={row.job_id} name={row.job_name!r}" if row.job_id else ""
+        if row.key is not None:
+            target = f"tenant={row.tenant!r} key={row.key!r} {target}".strip()
         click.echo(
-            f"{row['at']:%Y-%m-%d %H:%M:%S%z} {row['actor']!r} {row['action']} {target}"
-            f" {row['status_before']}->{row['status_after']} reason={row['reason']!r}"
+            f"{row.at:%Y-%m-%d %H:%M:%S%z} {row.actor!r} {row.action} {target}"
+            f" {row.status_before}->{row.status_after} reason={row.reason!r}"
         )
     click.echo(f"{len(rows)} audit row(s)")
 

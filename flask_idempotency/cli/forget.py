@@ -54,7 +54,7 @@ def forget_command(key: str, tenant: str, actor: str, reason: str | None) -> Non
     if not forgotten:
         if row is None:
             raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
-        before = row["status"]
+        before = row.status
         raise click.ClickException(
             f"key {key!r} is {before}: only a completed or retryable key can be forgotten"
             + (

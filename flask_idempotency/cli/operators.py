@@ -7,6 +7,7 @@ abandoned claims, from cron), ``idempotency-list``, ``idempotency-show`` and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -215,10 +216,10 @@ def list_command(
         )
     click.echo(f"{'TENANT':<16} {'KEY':<40} {'STATUS':<10} {'ATTEMPT':>7} {'AGE':>10}  POINT")
     for row in rows:
-        age = f"{row['age'].total_seconds():.0f}s"
+        age = f"{row.age.total_seconds():.0f}s"
         click.echo(
-            f"{row['tenant'] or '-':<16} {row['key']:<40} {row['status']:<10}"
-            f" {row['attempt']:>7} {age:>10}  {row['recovery_point']}"
+            f"{row.tenant or '-':<16} {row.key:<40} {row.status:<10}"
+            f" {row.attempt:>7} {age:>10}  {row.recovery_point}"
         )
     click.echo(f"{len(rows)} key(s)")
 
@@ -229,8 +230,8 @@ def _list_jobs(maintenance: Maintenance, *, dead: bool, limit: int) -> None:
     click.echo(f"{'JOB':<36} {'NAME':<24} {'TENANT':<16} {'KEY':<32} {'TRIES':>5}  LAST ERROR")
     for row in rows:
         click.echo(
-            f"{row['id']:<36} {row['name']:<24} {row['tenant'] or '-':<16} {row['key']:<32}"
-            f" {row['attempts']:>5}  {_first_line(row['last_error'])}"
+            f"{row.id:<36} {row.name:<24} {row.tenant or '-':<16} {row.key:<32}"
+            f" {row.attempts:>5}  {_first_line(row.last_error)}"
         )
     click.echo(f"{len(rows)} {'dead' if dead else 'failing'} job(s)")
 
@@ -242,8 +243,8 @@ def _list_exhausted(maintenance: Maintenance, limit: int) -> None:
     click.echo(f"{'TENANT':<16} {'KEY':<40} {'ATTEMPT':>7} {'LOOKS':>5}  LAST ERROR")
     for row in rows:
         click.echo(
-            f"{row['tenant'] or '-':<16} {row['key']:<40} {row['attempt']:>7}"
-            f" {row['reconcile_attempts']:>5}  {_first_line(row['reconcile_error'])}"
+            f"{row.tenant or '-':<16} {row.key:<40} {row.attempt:>7}"
+            f" {row.reconcile_attempts:>5}  {_first_line(row.reconcile_error)}"
         )
     click.echo(f"{len(rows)} exhausted key(s)")
 
@@ -262,10 +263,10 @@ def show_command(key: str, tenant: str) -> None:
         row = maintenance.get_key(tenant, key)
     if row is None:
         raise click.ClickException(f"no key {key!r} in tenant {tenant!r}")
-    body = row.pop("response_body")
-    headers = row.pop("response_headers") or []
-    for name, value in row.items():
-        click.echo(f"{name}: {value}")
+    body, headers = row.response_body, row.response_headers or []
+    for field in dataclasses.fields(row):
+        if not field.name.startswith("response_") or field.name == "response_status":
+            click.echo(f"{field.name}: {getattr(row, field.name)}")
     for name, value in headers:
         click.echo(f"response header: {name}: {value}")
     if body is not None:

@@ -29,6 +29,7 @@ from werkzeug.wrappers import Response
 
 from ..settling import answer_of, settle
 from ..store.operations import JobFilter, KeyVersion
+from ..store.records import JobDetail, KeyDetail
 from . import forms
 from .pages import BODY_PREVIEW, max_attempts, operations
 from .security import current_access
@@ -81,12 +82,12 @@ def _may_change() -> None:
 # -- one key ---------------------------------------------------------------------------
 
 
-def _applies(action: str, row: dict[str, Any]) -> bool:
+def _applies(action: str, row: KeyDetail) -> bool:
     if action.startswith("resolve_"):
-        return bool(row["status"] == "unknown")
+        return bool(row.status == "unknown")
     if action == "forget":
-        return row["status"] in ("completed", "retryable")
-    return bool(row["exhausted"])
+        return row.status in ("completed", "retryable")
+    return bool(row.exhausted)
 
 
 def _changed_since(seen: str | None, now: str, what: str) -> None:
@@ -102,7 +103,7 @@ def _changed_since(seen: str | None, now: str, what: str) -> None:
         )
 
 
-def _key_and_row(args: Any) -> tuple[str, str, str, dict[str, Any]]:
+def _key_and_row(args: Any) -> tuple[str, str, str, KeyDetail]:
     action = args.get("action", "")
     if action not in KEY_ACTIONS:
         abort(400, "Unknown action.")
@@ -116,7 +117,7 @@ def _key_and_row(args: Any) -> tuple[str, str, str, dict[str, Any]]:
         abort(
             409,
             f"{KEY_ACTIONS[action][0]} does not apply to a key in status"
-            f" {row['status']!r}{' (exhausted)' if row['exhausted'] else ''}: nothing was changed.",
+            f" {row.status!r}{' (exhausted)' if row.exhausted else ''}: nothing was changed.",
         )
     return action, tenant, key, row
 
@@ -228,14 +229,14 @@ def confirm_job(job_id: str) -> str:
     row = operations().job_detail(forms.job_id(job_id))
     if row is None:
         abort(404, "No such job: it was dispatched, or discarded.")
-    if not (row["dead"] or row["last_error"]):
+    if not (row.dead or row.last_error):
         abort(409, "Only a failing or dead job can be retried or discarded: nothing was changed.")
     button, change = JOB_ACTIONS[action]
     return render_template(
         "idempotency_console/confirm.html",
         button=button,
         change=change,
-        target=f"job {job_id} ({forms.shown(row['name'], 100)!r})",
+        target=f"job {job_id} ({forms.shown(row.name, 100)!r})",
         row=None,
         post_to=url_for(".act_job", job_id=job_id),
         fields={"action": action, "version": _job_version(row)},
@@ -244,15 +245,15 @@ def confirm_job(job_id: str) -> str:
     )
 
 
-def _job_version(row: dict[str, Any]) -> str:
+def _job_version(row: JobDetail) -> str:
     """A job as the operator saw it: its attempts, and whether it is dead."""
-    return f"{row['attempts']}.{'dead' if row['dead'] else 'live'}"
+    return f"{row.attempts}.{'dead' if row.dead else 'live'}"
 
 
 def act_job(job_id: str) -> Response:
     action = _job_action(request.form.get("action", ""))
     row = operations().job_detail(forms.job_id(job_id))
-    if row is None or not (row["dead"] or row["last_error"]):
+    if row is None or not (row.dead or row.last_error):
         abort(409, "No failing or dead job with this id: nothing was changed.")
     seen = request.form.get("version")
     _changed_since(seen, _job_version(row), "job")

@@ -88,9 +88,9 @@ def key() -> str:
     return render_template(
         "idempotency_console/key.html",
         row=row,
-        stored=_stored_request(row.get("request")),
-        body=_preview(row.get("body_preview")),
-        headers=row.get("response_headers") or [],
+        stored=_stored_request(row.request),
+        body=_preview(row.body_preview),
+        headers=row.response_headers or [],
         trail=trail,
     )
 
@@ -117,7 +117,7 @@ def jobs() -> str:
     rows = operations().jobs_page(dead=dead, name=which.name, after=after, limit=PAGE_SIZE + 1)
     more = len(rows) > PAGE_SIZE
     rows = rows[:PAGE_SIZE]
-    last = (rows[-1]["created_at"], rows[-1]["id"]) if more else None
+    last = (rows[-1].created_at, rows[-1].id) if more else None
     return render_template(
         "idempotency_console/jobs.html",
         rows=rows,
@@ -131,7 +131,7 @@ def job(job_id: str) -> str:
     row = operations().job_detail(forms.job_id(job_id))
     if row is None:
         abort(404, "No such job: it was dispatched, or discarded.")
-    return render_template("idempotency_console/job.html", row=row, payload=_pretty(row["payload"]))
+    return render_template("idempotency_console/job.html", row=row, payload=_pretty(row.payload))
 
 
 def _pretty(payload: str) -> str:

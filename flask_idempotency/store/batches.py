@@ -147,9 +147,7 @@ class Batches:
 
     # -- the reconciler -------------------------------------------------------------
 
-    def due_for_reconcile(
-        self, max_attempts: int, limit: int, hold: timedelta
-    ) -> list[UnknownDue]:
+    def due_for_reconcile(self, max_attempts: int, limit: int, hold: timedelta) -> list[UnknownDue]:
         """Reserve up to *limit* due ``unknown`` keys for *hold*."""
         retired = {"retired_unknown_index": self.store.schema.retired_unknown_index}
         self.store.run(self._mark_unknown_due, retired)

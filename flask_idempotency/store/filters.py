@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime, timedelta
-from typing import Any
 
 from ..model import KeyStatus
+from .records import KeyDetail, KeyRow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class KeyFilter:
 class KeysPage:
     """A page of keys, and where the next one starts (None: the end)."""
 
-    rows: list[dict[str, Any]]
+    rows: list[KeyRow]
     #: (created_at, tenant, key) of the last row walked
     next_cursor: tuple[datetime, str, str] | None
     #: True when the page walked its whole window without filling up
@@ -76,6 +76,6 @@ class KeyVersion:
         return cls(int(parts[0]), int(parts[1]), parts[2])
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> KeyVersion:
-        """The version of a key's row (``generation``, ``attempt``, ``status``)."""
-        return cls(int(row["generation"]), int(row["attempt"]), str(row["status"]))
+    def of(cls, row: KeyDetail) -> KeyVersion:
+        """The version of a key's row."""
+        return cls(row.generation, row.attempt, row.status)

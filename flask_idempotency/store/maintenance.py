@@ -6,6 +6,7 @@ execution path (:meth:`~.postgres.PostgresStore.run`), rendered once.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +14,16 @@ from psycopg import sql
 
 from ..model import KeyStatus, StoredResponse
 from .postgres import PostgresStore
+from .records import (
+    Backlog,
+    ExhaustedKey,
+    JobListing,
+    KeyListing,
+    StoredKey,
+    StuckCounts,
+    record_of,
+    records,
+)
 from .sealing import refused
 from .statements_background import (
     COUNT_ABANDONED,
@@ -64,7 +75,7 @@ class Maintenance:
         one, for a claim that recorded none): how many were marked, and how many of
         them ``unknown`` (the others ``retryable``)."""
         params = {"margin": margin, "on_abandoned": on_abandoned, "batch": batch_size}
-        return self._pair(self.store.run(self._mark_abandoned, params)[1])
+        return self._pair(self.store.run(self._mark_abandoned, params)[1])  # (marked, unknown)
 
     def count_abandoned(self, margin: timedelta, on_abandoned: str) -> tuple[int, int]:
         """How many claims have had their lease end more than *margin* ago, and how many
@@ -79,7 +90,7 @@ class Maintenance:
         tenant: str | None,
         older_than: timedelta,
         limit: int,
-    ) -> list[dict[str, Any]]:
+    ) -> list[KeyListing]:
         """Keys by status and age, oldest first."""
         params = {
             "status": status.value if status else None,
@@ -87,25 +98,21 @@ class Maintenance:
             "older_than": older_than,
             "limit": limit,
         }
-        return self.store.fetch(self._list_keys, params).dicts()
+        return records(KeyListing, self.store.fetch(self._list_keys, params))
 
-    def get_key(self, tenant: str, key: str) -> dict[str, Any] | None:
+    def get_key(self, tenant: str, key: str) -> StoredKey | None:
         """Everything stored for one key (its response opened if sealed), or None.
 
         :raises StoreError: the store failed, or the stored response cannot be opened.
         """
-        rows = self.store.fetch(self._show_key, {"tenant": tenant, "key": key}).dicts()
-        if not rows:
-            return None
-        row = rows[0]
-        if row["response_status"] is not None:
-            status, headers, body = (
-                row[f"response_{part}"] for part in ("status", "headers", "body")
+        row = record_of(StoredKey, self.store.fetch(self._show_key, {"tenant": tenant, "key": key}))
+        if row is None or row.response_status is None:
+            return row
+        with refused("the stored response cannot be read"):
+            stored = self.store.at_rest.open_response(
+                tenant, key, row.response_status, row.response_headers, row.response_body
             )
-            with refused("the stored response cannot be read"):
-                stored = self.store.at_rest.open_response(tenant, key, status, headers, body)
-            row["response_headers"], row["response_body"] = stored.headers, stored.body
-        return row
+        return dataclasses.replace(row, response_headers=stored.headers, response_body=stored.body)
 
     def resolve(
         self,
@@ -135,33 +142,35 @@ class Maintenance:
         }
         return self.store.run(self._resolve, params)[0] == 1
 
-    def list_jobs(self, *, dead: bool, limit: int) -> list[dict[str, Any]]:
+    def list_jobs(self, *, dead: bool, limit: int) -> list[JobListing]:
         """Dead staged jobs (``dead=True``), or the failing ones: not dead, and whose
         hand-over failed at least once (a job never tried is not failing)."""
-        return self.store.fetch(self._list_jobs, {"dead": dead, "limit": limit}).dicts()
+        return records(
+            JobListing, self.store.fetch(self._list_jobs, {"dead": dead, "limit": limit})
+        )
 
-    def count_stuck(self, max_attempts: int) -> tuple[int, int, int]:
+    def count_stuck(self, max_attempts: int) -> StuckCounts:
         """Claims whose lease ran out, keys in ``unknown``, and the unknown keys that
         had *max_attempts* undecided reconciliation looks (exhausted)."""
         params = {
             "max_attempts": max_attempts,
             "retired_unknown_index": self.store.schema.retired_unknown_index,
         }
-        _, row = self.store.run(self._count_stuck, params)
-        assert row is not None
-        return int(row[0]), int(row[1]), int(row[2])
+        counts = record_of(StuckCounts, self.store.fetch(self._count_stuck, params))
+        assert counts is not None
+        return counts
 
-    def count_backlog(self) -> tuple[int, int, int, int]:
+    def count_backlog(self) -> Backlog:
         """Deferred keys (``asynchronous=True``, waiting for a run), and the staged jobs
         that are due (never tried, not failing), failing (not dead) and dead."""
-        _, row = self.store.run(self._count_backlog, {})
-        assert row is not None
-        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
+        counts = record_of(Backlog, self.store.fetch(self._count_backlog, {}))
+        assert counts is not None
+        return counts
 
-    def list_exhausted(self, max_attempts: int, limit: int) -> list[dict[str, Any]]:
+    def list_exhausted(self, max_attempts: int, limit: int) -> list[ExhaustedKey]:
         """The dead-letter list: unknown keys whose reconciliation gave up."""
         params = {"max_attempts": max_attempts, "limit": limit}
-        return self.store.fetch(self._list_exhausted, params).dicts()
+        return records(ExhaustedKey, self.store.fetch(self._list_exhausted, params))
 
     @staticmethod
     def _count(row: tuple[Any, ...] | None) -> int:

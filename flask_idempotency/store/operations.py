@@ -8,6 +8,7 @@ writes its audit row in the same statement (:mod:`.queries_console`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import datetime, timedelta
@@ -19,6 +20,15 @@ from ..errors import EncryptionError
 from ..model import KeyStatus, StoredResponse
 from .filters import Count, JobFilter, KeyFilter, KeysPage, KeyVersion
 from .postgres import PostgresStore
+from .records import (
+    AuditRow,
+    Heartbeat,
+    JobDetail,
+    JobRow,
+    KeyDetail,
+    KeyRow,
+    WindowEnd,
+)
 from .rows import is_storable_text, storable_text
 from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
 from .statement import Statement
@@ -173,10 +183,9 @@ class Operations:
         }
         self._rows(BEAT + " RETURNING 1", params)
 
-    def heartbeats(self) -> list[dict[str, Any]]:
-        """Each command's and host's last batch: ``command``, ``host``, ``pid``,
-        ``finished_at``, ``interval_seconds``, ``counts``, ``age_seconds``, ``stale``."""
-        return self._rows(HEARTBEATS, {})
+    def heartbeats(self) -> list[Heartbeat]:
+        """Each command's and host's last batch."""
+        return [Heartbeat(**row) for row in self._rows(HEARTBEATS, {})]
 
     # -- reading -------------------------------------------------------------------
 
@@ -205,15 +214,14 @@ class Operations:
             "cmp": cmp,
             "unknown_only": sql.SQL(UNKNOWN_ONLY if unknown else ""),
         }
-        rows = self._rows(KEYS_PAGE, params, **parts)
+        rows = [KeyRow(**row) for row in self._rows(KEYS_PAGE, params, **parts)]
         if len(rows) > limit:
             last = rows[limit - 1]
-            return KeysPage(rows[:limit], (last["cursor_at"], last["tenant"], last["key"]), False)
-        end = self._rows(WINDOW_END, params, **parts)
+            return KeysPage(rows[:limit], (last.cursor_at, last.tenant, last.key), False)
+        end = [WindowEnd(**row) for row in self._rows(WINDOW_END, params, **parts)]
         if not end:
             return KeysPage(rows, None, False)
-        row = end[0]
-        return KeysPage(rows, (row["created_at"], row["tenant"], row["key"]), True)
+        return KeysPage(rows, (end[0].created_at, end[0].tenant, end[0].key), True)
 
     def _filter_params(self, where: KeyFilter, max_attempts: int) -> dict[str, Any]:
         return {
@@ -227,35 +235,36 @@ class Operations:
 
     def key_detail(
         self, tenant: str, key: str, max_attempts: int, preview: int = 4096
-    ) -> dict[str, Any] | None:
+    ) -> KeyDetail | None:
         """Everything about one key, its body cut to *preview* bytes; None if absent."""
         params = {"tenant": tenant, "key": key, "max_attempts": max_attempts, "preview": preview}
         rows = self._rows(KEY_DETAIL, params)
-        return self._opened(rows[0], preview) if rows else None
+        return self._opened(KeyDetail(**rows[0]), preview) if rows else None
 
-    def _opened(self, row: dict[str, Any], preview: int) -> dict[str, Any]:
+    def _opened(self, row: KeyDetail, preview: int) -> KeyDetail:
         """*row* with its sealed response and request opened (``IDEMPOTENCY_ENCRYPTOR``);
         one that cannot be opened is shown as ``sealed_error``, never as ciphertext."""
-        tenant, key, at_rest = row["tenant"], row["key"], self.store.at_rest
+        tenant, key, at_rest = row.tenant, row.key, self.store.at_rest
         try:
-            if row["response_headers"] == SEALED_HEADERS:
+            if row.response_headers == SEALED_HEADERS and row.response_status is not None:
                 opened = at_rest.open_response(
-                    tenant,
-                    key,
-                    row["response_status"],
-                    row["response_headers"],
-                    row["body_preview"],
+                    tenant, key, row.response_status, row.response_headers, row.body_preview
                 )
-                row.update(
+                row = dataclasses.replace(
+                    row,
                     response_headers=opened.headers,
                     body_preview=opened.body[:preview],
                     body_length=len(opened.body),
                 )
-            if row["request"] == SEALED_REQUEST:
-                stored = at_rest.open_request(tenant, key, row["request"], row["request_sealed"])
-                row.update(request=stored.encode(), request_body_length=len(stored.body))
+            if row.request == SEALED_REQUEST:
+                stored = at_rest.open_request(tenant, key, row.request, row.request_sealed)
+                row = dataclasses.replace(
+                    row, request=stored.encode(), request_body_length=len(stored.body)
+                )
         except (EncryptionError, ValueError) as exc:
-            row.update(response_headers=[], body_preview=None, request=None, sealed_error=str(exc))
+            row = dataclasses.replace(
+                row, response_headers=[], body_preview=None, request=None, sealed_error=str(exc)
+            )
         return row
 
     def jobs_page(
@@ -265,7 +274,7 @@ class Operations:
         name: str | None = None,
         after: tuple[datetime, str] | None = None,
         limit: int = 50,
-    ) -> list[dict[str, Any]]:
+    ) -> list[JobRow]:
         """Dead jobs, or the live ones whose last hand-over failed, oldest first."""
         after_at, after_id = after or (None, None)
         params = {
@@ -275,12 +284,12 @@ class Operations:
             "after_at": after_at,
             "limit": limit,
         }
-        return self._rows(JOBS_PAGE, params)
+        return [JobRow(**row) for row in self._rows(JOBS_PAGE, params)]
 
-    def job_detail(self, job_id: str) -> dict[str, Any] | None:
+    def job_detail(self, job_id: str) -> JobDetail | None:
         """One staged job with its payload (*job_id* must be a UUID); None if absent."""
         rows = self._rows(JOB_DETAIL, {"id": job_id})
-        return rows[0] if rows else None
+        return JobDetail(**rows[0]) if rows else None
 
     def audit_page(
         self,
@@ -290,7 +299,7 @@ class Operations:
         before: int | None = None,
         limit: int = 50,
         preview: int = 2000,
-    ) -> list[dict[str, Any]]:
+    ) -> list[AuditRow]:
         """Audit rows, newest first (ids below *before*), of one tenant and key."""
         params = {
             "tenant": tenant,
@@ -299,7 +308,7 @@ class Operations:
             "limit": limit,
             "preview": preview,
         }
-        return self._rows(AUDIT_PAGE, params)
+        return [AuditRow(**row) for row in self._rows(AUDIT_PAGE, params)]
 
     # -- changing (each with its audit row, in the same statement) -------------------
 

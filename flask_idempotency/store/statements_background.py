@@ -326,14 +326,14 @@ COUNT_STUCK = (
     """
 SELECT (SELECT count(*) FROM ("""
     + ABANDONED_KEYS.replace("%(margin)s", "interval '0'")
-    + """) AS abandoned),
+    + """) AS abandoned) AS abandoned,
        (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL)
        -- an earlier release's unknown keys the reconciler has not marked due yet
        + (SELECT count(*) FROM {table} WHERE status = 'unknown' AND reconcile_due_at IS NULL
-          AND to_regclass(%(retired_unknown_index)s) IS NOT NULL),
+          AND to_regclass(%(retired_unknown_index)s) IS NOT NULL) AS unknown,
        (SELECT count(*) FROM {table}
         WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
-          AND reconcile_attempts >= %(max_attempts)s)
+          AND reconcile_attempts >= %(max_attempts)s) AS exhausted
 """
 )
 
@@ -341,10 +341,10 @@ SELECT (SELECT count(*) FROM ("""
 # ({deferred}, DEFERRED), and the staged jobs by state: due (never tried, or retried by
 # hand, and due), failing (failed at least once, not dead), dead.
 COUNT_BACKLOG = """
-SELECT (SELECT count(*) FROM {table} WHERE {deferred}),
-       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts = 0 AND due_at <= now()),
-       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts > 0),
-       (SELECT count(*) FROM {jobs} WHERE dead)
+SELECT (SELECT count(*) FROM {table} WHERE {deferred}) AS deferred,
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts = 0 AND due_at <= now()) AS due,
+       (SELECT count(*) FROM {jobs} WHERE NOT dead AND attempts > 0) AS failing,
+       (SELECT count(*) FROM {jobs} WHERE dead) AS dead
 """
 
 # How many claims MARK_ABANDONED would mark, and how many of them unknown.
