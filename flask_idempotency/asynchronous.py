@@ -35,8 +35,8 @@ from .model import ClaimOutcome, Decision, KeyStatus
 from .state import IdempotencyState, get_state
 
 if TYPE_CHECKING:
-    from .store.postgres import PinnedConnection
-from .store.postgres import PinnedConnection
+    from .store.postgres import HeldTransaction
+from .store.postgres import HeldTransaction
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -54,7 +54,7 @@ def answer_asynchronous(
     tenant: str,
     key: str,
     outcome: ClaimOutcome,
-    pinned: PinnedConnection | None,
+    pinned: HeldTransaction | None,
 ) -> Response | None:
     """202 for a key this request claimed (deferred now) or one still running; None
     for every other decision (a replay, a mismatch, ``unknown``), answered as usual."""
@@ -71,7 +71,7 @@ def defer(
     tenant: str,
     key: str,
     outcome: ClaimOutcome,
-    pinned: PinnedConnection | None,
+    pinned: HeldTransaction | None,
 ) -> None:
     """Hand the claimed key to the background, in one statement (with the job that
     runs it, when the dispatcher runs keys).
@@ -84,7 +84,7 @@ def defer(
         state.store.defer(tenant, key, outcome, jobs=jobs, pinned=pinned)
     except StoreError as exc:
         if pinned is not None:
-            state.store.unpin(pinned, commit=False)
+            pinned.roll_back()
         logger.error("decision=store_unavailable deferral key=%r error=%s", key, exc)
         raise settings.problem(
             StoreUnavailable,
@@ -146,7 +146,7 @@ def key_status(key: str) -> Response:
         ) from exc
     if found is None:
         raise settings.problem(KeyNotFound, "No such key (for this tenant).")
-    status, stored, expires_at = found
+    status, stored, expires_at = found.status, found.response, found.expires_at
     if status is KeyStatus.COMPLETED and stored is not None:
         return replay(stored, settings, expires_at)
     if status is KeyStatus.UNKNOWN:

@@ -21,7 +21,7 @@ from .owned_connection import OwnedConnection
 if TYPE_CHECKING:
     import psycopg
 
-    from .store.postgres import PinnedConnection, PostgresStore
+    from .store.postgres import HeldTransaction, PostgresStore
 
 _G_NAME = "_idempotency_claim"
 
@@ -38,7 +38,7 @@ class ClaimedKey:
         store: PostgresStore,
         *,
         protected: bool = True,
-        pinned: PinnedConnection | None = None,
+        pinned: HeldTransaction | None = None,
         trace: tracing.RequestTrace = tracing.NO_TRACE,
     ) -> None:
         #: the tenant the key belongs to (``""`` without a tenant loader)
@@ -208,7 +208,7 @@ def finish_attempt(
     response: StoredResponse | None = None,
     *,
     jobs: Sequence[StagedJob] = (),
-    pinned: PinnedConnection | None = None,
+    pinned: HeldTransaction | None = None,
     commit: bool = False,
 ) -> bool:
     """End *claim*'s attempt with *status* (one fenced UPDATE, waking waiting twins when

@@ -35,7 +35,7 @@ from .keys import tenant_tag
 from .model import KeyStatus, StoredResponse
 from .state import get_state
 from .store.pool import is_driver_outage
-from .store.postgres import PinnedConnection
+from .store.postgres import HeldTransaction
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -99,7 +99,7 @@ def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
     with claim.trace.span(tracing.FINISH) as span:
         ending = ending_of(claim, response)
-        transactional = claim.pinned is not None  # applying unpins it
+        transactional = claim.pinned is not None  # applying ends its held transaction
         try:
             return _apply(claim, ending, response, span)
         except EncryptionError as exc:
@@ -152,7 +152,7 @@ def _connection_lost(claim: ClaimedKey) -> bool:
     exception = claim.exception
     if exception is not None and is_driver_outage(exception):
         return True
-    return claim.pinned.conn.closed or claim.pinned.conn.broken
+    return claim.pinned.lost
 
 
 # -- computing the ending --------------------------------------------------------------
@@ -335,7 +335,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
         if ending.stored is not None:
             _commit(claim, pinned, ending)
         else:
-            claim.store.unpin(pinned, commit=False)
+            pinned.roll_back()
             if claim.settings.wait > 0:  # twins waiting on this key may claim it now
                 claim.store.notify(claim.tenant, claim.key)
     except StoreError as exc:
@@ -345,7 +345,7 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
     return ending.stored is not None
 
 
-def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None:
+def _commit(claim: ClaimedKey, pinned: HeldTransaction, ending: Ending) -> None:
     """Store the response in the pinned transaction and commit it with the view's writes
     (the finish and the ``COMMIT`` in one round trip)."""
     try:
@@ -353,9 +353,9 @@ def _commit(claim: ClaimedKey, pinned: PinnedConnection, ending: Ending) -> None
             claim, KeyStatus.COMPLETED, ending.stored, jobs=ending.jobs, pinned=pinned, commit=True
         )
     except (StoreError, EncryptionError):
-        claim.store.unpin(pinned, commit=False)  # returns the connection in any case
+        pinned.roll_back()  # returns the connection in any case
         raise
-    claim.store.unpin(pinned, commit=True)  # committed already, unless psycopg began it
+    pinned.commit()  # committed already, unless psycopg began it
 
 
 def _unsealable(

@@ -39,7 +39,7 @@ from .keys import load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .rerun import current_rerun
 from .state import IdempotencyState
-from .store.postgres import PinnedConnection
+from .store.postgres import HeldTransaction
 from .stored_request import StoredRequest, capture
 
 logger = logging.getLogger("flask_idempotency")
@@ -67,7 +67,7 @@ class Claim:
     """The decision for this request, with the connection a transactional view holds."""
 
     outcome: ClaimOutcome
-    pinned: PinnedConnection | None = None
+    pinned: HeldTransaction | None = None
     #: how long the first look (replay cache or claim statement) took
     claim_seconds: float = 0.0
 
@@ -251,7 +251,8 @@ def _claim(
     store = state.store
     args = (identity.tenant, identity.key, identity.fingerprint, settings, identity.request)
     if transactional:
-        return Claim(*store.claim_pinned(*args))
+        pinned = store.claim_pinned(*args)
+        return Claim(pinned.outcome, pinned.held)
     return Claim(store.claim(*args))
 
 

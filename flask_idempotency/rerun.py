@@ -35,7 +35,7 @@ from .state import IdempotencyState, get_state
 
 if TYPE_CHECKING:
     from .store.batches import Fence
-    from .store.postgres import PinnedConnection
+    from .store.postgres import HeldTransaction
 from .stored_request import StoredRequest
 
 #: the environ key that marks a rebuilt request (HTTP clients can only set HTTP_* keys)
@@ -211,7 +211,7 @@ class Rerun:
 
     def _claim(
         self, state: IdempotencyState, settings: RouteSettings, transactional: bool
-    ) -> tuple[ClaimOutcome | None, PinnedConnection | None]:
+    ) -> tuple[ClaimOutcome | None, HeldTransaction | None]:
         """Take the key over as a client retry would, or mark it unknown (an abandoned
         claim on a route with ``ON_ABANDONED = "unknown"``); None if it changed."""
         batches = state.batches
@@ -220,7 +220,7 @@ class Rerun:
             if not batches.mark_unknown(self.fence):
                 return None, None
             return ClaimOutcome(Decision.MARKED_UNKNOWN, attempt=self.attempt), None
-        pinned = state.store.pin() if transactional else None
+        pinned = state.store.hold() if transactional else None
         try:
             row = batches.take_over(
                 self.fence,
@@ -232,11 +232,11 @@ class Rerun:
             )
         except BaseException:
             if pinned is not None:
-                state.store.unpin(pinned, commit=False)
+                pinned.roll_back()
             raise
         if row is None:
             if pinned is not None:
-                state.store.unpin(pinned, commit=False)
+                pinned.roll_back()
             return None, None
         outcome = ClaimOutcome(
             Decision.TAKEN_OVER,

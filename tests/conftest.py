@@ -19,6 +19,7 @@ from psycopg.rows import TupleRow
 from tcpproxy import TcpProxy
 from testapp import create_app
 
+import flask_idempotency.store.execution
 import flask_idempotency.store.postgres
 
 #: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
@@ -141,6 +142,8 @@ def store_statements(monkeypatch: pytest.MonkeyPatch) -> Callable[[Flask], list[
                 statements.append(str(query)[:40])
             return cursor_execute(self, query, *args, **kw)
 
+        # the one execution path (run) and a phase's advance (postgres.phase)
+        monkeypatch.setattr(flask_idempotency.store.execution, "execute", counting_statement)
         monkeypatch.setattr(flask_idempotency.store.postgres, "execute", counting_statement)
         monkeypatch.setattr(psycopg.Cursor, "execute", counting_cursor)
         return statements

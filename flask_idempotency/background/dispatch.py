@@ -25,7 +25,7 @@ from .report import Outcome
 from .report import summary as report_summary
 
 if TYPE_CHECKING:
-    from ..store.postgres import PinnedConnection
+    from ..store.postgres import HeldTransaction
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -86,7 +86,7 @@ class Dispatcher:
         return outcomes
 
     def _run_round(
-        self, jobs: list[Job], batch: PinnedConnection, outcomes: list[Outcome]
+        self, jobs: list[Job], batch: HeldTransaction, outcomes: list[Outcome]
     ) -> list[tuple[str, str]]:
         """Hand one round's jobs over, forget or reschedule them in the batch's
         transaction: the keys whose ordered job was handed over (their next one is due)."""

@@ -19,7 +19,7 @@ from psycopg import sql
 from ..jobs import Job
 from ..keys import lock_id
 from ..stored_request import StoredRequest
-from .postgres import PinnedConnection, PostgresStore
+from .postgres import HeldTransaction, PostgresStore
 from .records import (
     DueKey,
     KeyState,
@@ -116,7 +116,7 @@ class Batches:
         lease: timedelta,
         ttl: timedelta,
         on_abandoned: str,
-        pinned: PinnedConnection | None = None,
+        pinned: HeldTransaction | None = None,
     ) -> Taken | None:
         """Take a reserved key over as a client retry would (the next attempt, fenced
         by the reservation, recording the route's *on_abandoned* and *ttl* as a claim
@@ -181,7 +181,7 @@ class Batches:
     # -- the dispatcher -------------------------------------------------------------
 
     @contextmanager
-    def due_jobs(self, limit: int) -> Iterator[tuple[list[Job], PinnedConnection]]:
+    def due_jobs(self, limit: int) -> Iterator[tuple[list[Job], HeldTransaction]]:
         """Lock up to *limit* due jobs in a transaction that lasts the block: the jobs,
         and the transaction for :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`.
         Commits when the block ends, rolls back if it raises.
@@ -190,18 +190,18 @@ class Batches:
         transaction whose jobs were handed over already.
         """
         store = self.store
-        pinned = store.pin()
+        pinned = store.hold()
         try:
             params = {"limit": limit}
             rows = store.fetch(self._due_jobs, params, pinned, prepare=False)
             yield jobs_of(rows), pinned
         except BaseException:
-            store.unpin(pinned, commit=False)
+            pinned.roll_back()
             raise
-        store.unpin(pinned, commit=True)
+        pinned.commit()
 
     def next_jobs(
-        self, limit: int, handed_over: list[tuple[str, str]], pinned: PinnedConnection
+        self, limit: int, handed_over: list[tuple[str, str]], pinned: HeldTransaction
     ) -> list[Job]:
         """The batch's next round: the due successors (up to *limit*) of the ordered
         jobs of the keys *handed_over* (``(tenant, key)`` each), locked in the batch's
@@ -213,11 +213,11 @@ class Batches:
         }
         return jobs_of(self.store.fetch(self._next_jobs, params, pinned, prepare=False))
 
-    def forget_jobs(self, ids: list[str], pinned: PinnedConnection) -> None:
+    def forget_jobs(self, ids: list[str], pinned: HeldTransaction) -> None:
         """Delete the jobs *ids* (handed over) in the batch's transaction."""
         self.store.run(self._delete_jobs, {"ids": ids}, pinned, prepare=False)
 
-    def fail_jobs(self, params: dict[str, Any], pinned: PinnedConnection) -> None:
+    def fail_jobs(self, params: dict[str, Any], pinned: HeldTransaction) -> None:
         """Count a failed hand-over of each job of *params* and schedule its next
         (``ids``, ``errors``, ``countable``, ``backoff``, ``cap``, ``max_attempts``)."""
         self.store.run(self._fail_jobs, params, pinned, prepare=False)
