@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from . import tracing
@@ -74,17 +73,6 @@ def staged_job(name: str, payload: Any, ordered: bool = False) -> StagedJob:
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"the payload of job {name!r} is not JSON-serialisable: {exc}") from None
     return StagedJob(str(uuid.uuid4()), name, document, tracing.current_traceparent(), ordered)
-
-
-def stage_params(jobs: Sequence[StagedJob]) -> dict[str, Any]:
-    """The bound parameters of :data:`~.queries.STAGE_JOBS`."""
-    return {
-        "job_ids": [job.id for job in jobs],
-        "job_names": [job.name for job in jobs],
-        "job_payloads": [job.payload for job in jobs],
-        "job_traceparents": [job.traceparent for job in jobs],
-        "job_ordered": [job.ordered for job in jobs],
-    }
 
 
 def _is_utf8(text: str) -> bool:

@@ -68,14 +68,9 @@ def settle(
     state = get_state(app)
     status = KeyStatus.RETRYABLE if stored is None else KeyStatus.COMPLETED
     ttl = state.settings.route.ttl
-    if actor is None:
-        changed = state.maintenance.resolve(
-            tenant, key, status, ttl=ttl, response=stored, fence=fence
-        )
-    else:
-        changed = state.operations.resolve(
-            tenant, key, status, ttl=ttl, actor=actor, reason=reason, response=stored, fence=fence
-        )
+    changed = state.operations.resolve(
+        tenant, key, status, ttl=ttl, actor=actor, reason=reason, response=stored, fence=fence
+    )
     if changed:
         _announce(app, tenant, key, status, source, actor)
     return changed

@@ -113,7 +113,8 @@ def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float
     if dry_run:
         with one_line():
             expired = maintenance.count_expired()
-            abandoned, unknown = maintenance.count_abandoned(grace, default)
+            counted = maintenance.count_abandoned(grace, default)
+            abandoned, unknown = counted.marked, counted.unknown
         click.echo(
             f"dry run: would delete {expired} expired keys and mark {abandoned}"
             f" abandoned claims ({_split(abandoned, unknown)})"
@@ -125,9 +126,9 @@ def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float
         deleted = _batches(lambda: maintenance.delete_expired(batch_size), batch_size)
         marked = unknown = 0
         while True:
-            done, became_unknown = maintenance.mark_abandoned(grace, default, batch_size)
-            marked, unknown = marked + done, unknown + became_unknown
-            if done < batch_size:
+            batch = maintenance.mark_abandoned(grace, default, batch_size)
+            marked, unknown = marked + batch.marked, unknown + batch.unknown
+            if batch.marked < batch_size:
                 break
         signals.keys_cleaned.send(app, deleted=deleted, marked=marked)
         return Batch(

@@ -1,4 +1,5 @@
-"""The operators' statements: cleaning, listing, showing and resolving keys.
+"""The operators' statements: cleaning, listing and showing keys (settling one is
+:class:`~.operations.Operations`'s ``resolve``).
 
 Never on the request path; each method is one statement through the store's one
 execution path (:meth:`~.postgres.PostgresStore.run`), rendered once.
@@ -12,9 +13,10 @@ from typing import Any
 
 from psycopg import sql
 
-from ..model import KeyStatus, StoredResponse
+from ..model import KeyStatus
 from .postgres import PostgresStore
 from .records import (
+    Abandoned,
     Backlog,
     ExhaustedKey,
     JobListing,
@@ -36,7 +38,6 @@ from .statements_background import (
     LIST_JOBS,
     LIST_KEYS,
     MARK_ABANDONED,
-    RESOLVE_KEY,
     SHOW_KEY,
 )
 
@@ -53,7 +54,6 @@ class Maintenance:
         self._count_abandoned = statement(COUNT_ABANDONED)
         self._list_keys = statement(LIST_KEYS)
         self._show_key = statement(SHOW_KEY)
-        self._resolve = statement(RESOLVE_KEY)
         self._list_jobs = statement(LIST_JOBS)
         self._count_stuck = statement(COUNT_STUCK)
         self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
@@ -67,21 +67,19 @@ class Maintenance:
         """How many finished keys are past ``expires_at``."""
         return self._count(self.store.run(self._count_expired, {})[1])
 
-    def mark_abandoned(
-        self, margin: timedelta, on_abandoned: str, batch_size: int
-    ) -> tuple[int, int]:
+    def mark_abandoned(self, margin: timedelta, on_abandoned: str, batch_size: int) -> Abandoned:
         """Mark one batch of claims whose lease ended more than *margin* ago, each as the
         ``on_abandoned`` policy its claim recorded says (*on_abandoned*, the app-wide
         one, for a claim that recorded none): how many were marked, and how many of
         them ``unknown`` (the others ``retryable``)."""
         params = {"margin": margin, "on_abandoned": on_abandoned, "batch": batch_size}
-        return self._pair(self.store.run(self._mark_abandoned, params)[1])  # (marked, unknown)
+        return self._abandoned(self.store.run(self._mark_abandoned, params)[1])
 
-    def count_abandoned(self, margin: timedelta, on_abandoned: str) -> tuple[int, int]:
+    def count_abandoned(self, margin: timedelta, on_abandoned: str) -> Abandoned:
         """How many claims have had their lease end more than *margin* ago, and how many
         of them :meth:`mark_abandoned` would mark ``unknown``."""
         params = {"margin": margin, "on_abandoned": on_abandoned}
-        return self._pair(self.store.run(self._count_abandoned, params)[1])
+        return self._abandoned(self.store.run(self._count_abandoned, params)[1])
 
     def list_keys(
         self,
@@ -113,34 +111,6 @@ class Maintenance:
                 tenant, key, row.response_status, row.response_headers, row.response_body
             )
         return dataclasses.replace(row, response_headers=stored.headers, response_body=stored.body)
-
-    def resolve(
-        self,
-        tenant: str,
-        key: str,
-        status: KeyStatus,
-        *,
-        ttl: timedelta,
-        response: StoredResponse | None = None,
-        fence: tuple[int, int] | tuple[int, int, int] | None = None,
-    ) -> bool:
-        """Resolve an ``unknown`` key as retryable, or as completed with *response*;
-        False when there is no such key in ``unknown`` (or, with *fence*, when the key
-        is no longer at that ``(attempt, generation[, reconcile_attempts])``)."""
-        attempt, generation, looks = _fence(fence)
-        with refused("the response could not be stored"):
-            stored = self.store.at_rest.response_params(tenant, key, response)
-        params = {
-            "tenant": tenant,
-            "key": key,
-            "status": status.value,
-            "ttl": ttl,
-            **stored,
-            "attempt": attempt,
-            "generation": generation,
-            "looks": looks,
-        }
-        return self.store.run(self._resolve, params)[0] == 1
 
     def list_jobs(self, *, dead: bool, limit: int) -> list[JobListing]:
         """Dead staged jobs (``dead=True``), or the failing ones: not dead, and whose
@@ -177,16 +147,5 @@ class Maintenance:
         return int(row[0]) if row else 0
 
     @staticmethod
-    def _pair(row: tuple[Any, ...] | None) -> tuple[int, int]:
-        return (int(row[0]), int(row[1])) if row else (0, 0)
-
-
-def _fence(
-    fence: tuple[int, int] | tuple[int, int, int] | None,
-) -> tuple[int | None, int | None, int | None]:
-    """``(attempt, generation, looks)`` of a resolve's fence (None: not fenced by it)."""
-    if fence is None:
-        return None, None, None
-    if len(fence) == 2:
-        return fence[0], fence[1], None
-    return fence[0], fence[1], fence[2]
+    def _abandoned(row: tuple[Any, ...] | None) -> Abandoned:
+        return Abandoned(int(row[0]), int(row[1])) if row else Abandoned(0, 0)

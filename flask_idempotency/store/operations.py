@@ -32,6 +32,7 @@ from .records import (
 from .rows import is_storable_text, storable_text
 from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
 from .statement import Statement
+from .statements_background import RESOLVE_KEY
 from .statements_console import (
     AUDIT_PAGE,
     BEAT,
@@ -84,6 +85,8 @@ class Operations:
         schema = store.schema
         self._parts = {"audit": schema.audit, "heartbeats": schema.heartbeats}
         self._statements: dict[tuple[str, tuple[tuple[str, str], ...]], Statement] = {}
+        #: settling a key with a found answer (no audit row): run often, prepared
+        self._resolve_found = store.statement(RESOLVE_KEY)
 
     # -- running -------------------------------------------------------------------
 
@@ -319,15 +322,21 @@ class Operations:
         status: KeyStatus,
         *,
         ttl: timedelta,
-        actor: str,
+        actor: str | None = None,
         reason: str | None = None,
         response: StoredResponse | None = None,
         fence: tuple[int, int] | tuple[int, int, int] | None = None,
     ) -> bool:
-        """Resolve an ``unknown`` key as retryable, or as completed with *response*;
-        False (and no audit row) when the key is not ``unknown``, or (with *fence*, what
-        the operator saw) no longer at that ``(attempt, generation)``."""
-        attempt, generation = fence[:2] if fence is not None else (None, None)
+        """Resolve an ``unknown`` key as retryable, or as completed with *response*, kept
+        for the TTL its claim recorded (else *ttl*); the one statement that settles a key
+        (:func:`..settling.settle` calls it). An operator's (*actor* given) writes its
+        audit row in the same statement.
+
+        False (and no audit row) when the key is not ``unknown``, or no longer what the
+        caller saw: *fence* is ``(attempt, generation)``, with the reconciler's looks
+        (``reconcile_attempts``) as a third member.
+        """
+        attempt, generation, looks = (*fence, None)[:3] if fence is not None else (None,) * 3
         with refused("the response could not be stored"):
             sealed = self.store.at_rest.response_params(tenant, key, response)
         params = {
@@ -338,10 +347,11 @@ class Operations:
             **sealed,
             "attempt": attempt,
             "generation": generation,
-            "looks": None,
-            **self._who(actor, reason, "resolve"),
+            "looks": looks,
         }
-        return bool(self._rows(RESOLVE, params))
+        if actor is None:
+            return self.store.run(self._resolve_found, params)[0] == 1
+        return bool(self._rows(RESOLVE, {**params, **self._who(actor, reason, "resolve")}))
 
     def forget(
         self,

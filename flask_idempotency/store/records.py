@@ -111,6 +111,15 @@ class Rescheduled:
     due_in: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Abandoned:
+    """Claims whose lease ended: how many the cleaner marked (or would mark), and how
+    many of them ``unknown`` (their recorded ``on_abandoned``; the others retryable)."""
+
+    marked: int
+    unknown: int
+
+
 # -- counts --------------------------------------------------------------------------------
 
 
