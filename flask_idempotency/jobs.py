@@ -3,7 +3,7 @@ and checking one as it is staged.
 
 ``current_idempotency.stage(name, payload)`` makes a :class:`StagedJob`; the finish
 (or the phase) that commits the key inserts it in the same statement, so a job exists
-exactly when the state it was staged with committed. :mod:`.dispatch` hands
+exactly when the state it was staged with committed. :mod:`.background.dispatch` hands
 committed jobs to a queue.
 """
 

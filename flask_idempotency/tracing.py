@@ -5,7 +5,7 @@
 view (the finish and the phases are not children of the claim), with the key
 (``idempotency.key``), the tenant's hash (``idempotency.tenant_hash``, the log lines'
 tag; never the tenant), the decision and the attempt. The claim and the finish go
-straight to libpq (:mod:`.statement`), below any database instrumentation: these spans
+straight to libpq (:mod:`.store.statement`), below any database instrumentation: these spans
 are how a trace shows them. A store failure sets the span's status to error.
 
 Across the asynchronous boundaries (SPEC §12), the W3C ``traceparent`` of the span

@@ -171,3 +171,65 @@ def test_every_public_name_is_documented_and_all_is_sorted() -> None:
 
 def test_every_module_says_what_it_is_for() -> None:
     assert [name for name, tree in _modules().items() if not ast.get_docstring(tree)] == []
+
+
+#: the statement texts: only the store's classes render and run them
+STATEMENT_MODULES = (
+    "store.statements_request",
+    "store.statements_background",
+    "store.statements_console",
+)
+
+
+def test_no_module_outside_the_store_imports_a_statement_module() -> None:
+    offenders = {
+        name: sorted(set(STATEMENT_MODULES) & own)
+        for name, tree in _modules().items()
+        if not name.startswith("store")
+        for own in [_imports(name, tree)[0]]
+        if set(STATEMENT_MODULES) & own
+    }
+    assert offenders == {}
+
+
+#: methods of the execution path itself, which the store's own classes call: their rows
+#: never leave the store (every other method returns records)
+EXECUTION_PATH = {"run", "fetch"}
+
+
+def test_no_store_method_returns_a_bare_tuple_or_dict() -> None:
+    """What crosses the store's boundary is typed records (store/records.py), never rows:
+    no public method of the store's classes is annotated to return a tuple or a dict
+    (or a list of them)."""
+    from flask_idempotency.store.batches import Batches
+    from flask_idempotency.store.maintenance import Maintenance
+    from flask_idempotency.store.operations import Operations
+    from flask_idempotency.store.postgres import PostgresStore
+
+    bare = []
+    for cls in (PostgresStore, Batches, Maintenance, Operations):
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            if name.startswith("_") or name in EXECUTION_PATH:
+                continue
+            returns = str(inspect.signature(member).return_annotation).replace(" ", "")
+            if returns.startswith(
+                ("tuple[", "dict[", "list[tuple", "list[dict", "Iterator[tuple[list[tuple")
+            ):
+                bare.append(f"{cls.__name__}.{name} -> {returns}")
+    assert bare == []
+
+
+def test_architecture_page_names_every_module() -> None:
+    """docs/architecture.md is the map: every module of the package is named on it (as
+    ``store/postgres.py`` or ``postgres.py`` in its folder's table)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [
+        name
+        for name in _modules()
+        if name
+        and not name.endswith("__init__")
+        and f"`{name.split('.')[-1]}.py`" not in page
+        and f"{name.replace('.', '/')}.py" not in page
+        and not _is_package(name)
+    ]
+    assert missing == []

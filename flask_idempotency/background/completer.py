@@ -3,7 +3,7 @@
 One batch is one short transaction that picks due keys of ``complete=True`` routes
 (``FOR UPDATE SKIP LOCKED``, marked looked-at in the same statement, so completers on
 several hosts take disjoint batches); then each key's stored request runs through the
-app as a :class:`~.rerun.Rerun`, which takes the key over exactly as a client retry
+app as a :class:`~..rerun.Rerun`, which takes the key over exactly as a client retry
 would (fenced: a completer never runs a key another attempt holds).
 """
 

@@ -1,6 +1,6 @@
 """The console's actions: a confirm page (GET) that says what will change, then the
 POST that changes it and redirects (POST-redirect-GET). Every change writes its audit
-row in the same transaction (:class:`~..operations.Operations`); settling an ``unknown``
+row in the same transaction (:class:`~..store.operations.Operations`); settling an ``unknown``
 key goes through :mod:`..settling`, as the CLI, ``resolve()`` and the reconciler do.
 
 The confirm form carries the version of the row the operator saw (a key's generation,

@@ -5,6 +5,7 @@ hold."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 
 from ..model import KeyStatus
@@ -17,6 +18,17 @@ class Count:
 
     value: int
     estimated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Overview:
+    """The console overview's figures, by name (the keys of ``KEY_COUNTS`` and
+    ``JOB_COUNTS`` in :mod:`.statements_console`): ``overview["unknown"]``."""
+
+    counts: Mapping[str, Count]
+
+    def __getitem__(self, name: str) -> Count:
+        return self.counts[name]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Beside :class:`~.maintenance.Maintenance`, on the same store: each method is one short
 statement on a pooled connection, bounded by ``IDEMPOTENCY_STATEMENT_TIMEOUT``,
 unprepared (each runs rarely, and a transaction pooler may be in between). Every change
-writes its audit row in the same statement (:mod:`.queries_console`).
+writes its audit row in the same statement (:mod:`.statements_console`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from psycopg import sql
 
 from ..errors import EncryptionError
 from ..model import KeyStatus, StoredResponse
-from .filters import Count, JobFilter, KeyFilter, KeysPage, KeyVersion
+from .filters import Count, JobFilter, KeyFilter, KeysPage, KeyVersion, Overview
 from .postgres import PostgresStore
 from .records import (
     AuditRow,
@@ -111,7 +111,7 @@ class Operations:
 
     # -- the overview --------------------------------------------------------------
 
-    def overview(self, max_attempts: int) -> dict[str, Count]:
+    def overview(self, max_attempts: int) -> Overview:
         """Keys per status, exhausted, deferred, and jobs due, failing and dead: exact
         up to :data:`EXACT_UP_TO`, estimated above it. Nothing scans a whole table."""
         params = {"max_attempts": max_attempts, "cap": EXACT_UP_TO + 1}
@@ -127,7 +127,7 @@ class Operations:
                     counts[name] = self._capped(source, params)
         for name, source in JOB_COUNTS.items():
             counts[name] = self._capped(source, params)
-        return counts
+        return Overview(counts)
 
     def _exact_key_counts(self, max_attempts: int, total: int) -> dict[str, Count]:
         counts = {name: Count(0) for name in KEY_COUNTS}

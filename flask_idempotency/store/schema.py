@@ -84,7 +84,7 @@ class SchemaBusy(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class SchemaState:
-    """What exists of the schema objects, as :data:`~.queries.SCHEMA_STATE` reads it."""
+    """What exists of the schema objects, as :data:`~.ddl.SCHEMA_STATE` reads it."""
 
     #: the to_regclass names of the objects that do not exist
     missing: frozenset[str]

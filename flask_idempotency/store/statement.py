@@ -1,6 +1,6 @@
 """A request-path statement, rendered once, and the lean way it is run.
 
-:mod:`.queries` writes parameters by name (``%(key)s``) for the reader. A
+:mod:`.statements_request` (and the other statement modules) write parameters by name (``%(key)s``) for the reader. A
 :class:`Statement` renders that once to PostgreSQL's ``$n`` form, with the order of
 its parameters (a name used twice becomes one parameter, sent once).
 
@@ -36,7 +36,7 @@ class Statement:
     """*named* (``%(name)s`` placeholders, no other ``%``) as PostgreSQL's ``$n`` form."""
 
     def __init__(self, named: str) -> None:
-        #: the text with ``%(name)s`` placeholders, as :mod:`.queries` writes it
+        #: the text with ``%(name)s`` placeholders, as the statement modules write it
         self.named = named
         names: dict[str, int] = {}
 

@@ -1,6 +1,6 @@
 """The SQL of the operator's console and its CLI powers, readable top to bottom.
 
-Beside :mod:`.queries`; ``{table}``, ``{jobs}``, ``{audit}`` and ``{heartbeats}`` are
+Beside :mod:`.statements_background`; ``{table}``, ``{jobs}``, ``{audit}`` and ``{heartbeats}`` are
 filled in with ``psycopg.sql.Identifier``, values are always bound parameters. Every
 hand-made change is one statement: the change and its audit row commit together (a
 data-modifying ``WITH``), with the database's clock.
