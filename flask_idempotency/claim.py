@@ -67,6 +67,8 @@ class ClaimedKey:
         self.expires_at: datetime | None = None
         #: the request's spans (children of the span the request reached the view in)
         self.trace = trace
+        #: ``db.session`` in the key's transaction (:mod:`.sqlalchemy`), or None
+        self.orm: Any = None
 
     @property
     def attempt(self) -> int:
@@ -174,7 +176,12 @@ def derived_key(tenant: str, key: str, generation: int, name: str) -> str:
     return hashlib.sha256(material.encode()).hexdigest()
 
 
-def set_claim(claim: ClaimedKey) -> None:
+def set_claim(claim: ClaimedKey, orm: Any = None) -> None:
+    """Make *claim* the request's; with *orm* (the app's
+    :class:`~.sqlalchemy.KeyTransactions`), a transactional view's ``db.session`` joins
+    the key's transaction until the attempt ends."""
+    if orm is not None and claim.pinned is not None:
+        claim.orm = orm.join(claim.pinned.conn)
     setattr(g, _G_NAME, claim)
 
 

@@ -98,6 +98,7 @@ def teardown_request(exc: BaseException | None) -> None:
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
     with claim.trace.span(tracing.FINISH) as span:
+        response = _commit_orm(claim, response)
         ending = ending_of(claim, response)
         transactional = claim.pinned is not None  # applying ends its held transaction
         try:
@@ -134,6 +135,22 @@ def _apply(
             )
         )
     return _refused(claim, ending, response)
+
+
+def _commit_orm(claim: ClaimedKey, response: Response) -> Response:
+    """A transactional view that wrote through ``db.session`` (:mod:`.sqlalchemy`):
+    commit what it flushed, or only added, into the key's transaction, when its response
+    is to be stored. A flush that fails (a constraint) fails the view: Flask's 500, and
+    everything is rolled back with the key."""
+    if claim.orm is None or ending_of(claim, response).stored is None:
+        return response
+    try:
+        claim.orm.commit()
+    except Exception as exc:
+        logger.error("decision=orm_failed %s error=%s", _fields(claim), exc)
+        claim.exception = exc
+        return InternalServerError().get_response()  # type: ignore[return-value]
+    return response
 
 
 def _refused(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
@@ -331,6 +348,9 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
     everything back. True if the response committed."""
     pinned, claim.pinned = claim.pinned, None
     assert pinned is not None
+    if claim.orm is not None:  # its savepoint's rollback, if any, before the key's end
+        claim.orm.close()
+        claim.orm = None
     try:
         if ending.stored is not None:
             _commit(claim, pinned, ending)

@@ -79,7 +79,13 @@ class Idempotency:
     #: becomes ``retryable`` (see :meth:`reconciler`).
     RETRYABLE = RETRYABLE
 
-    def __init__(self, app: Flask | None = None, *, pool: ConnectionPool[Any] | None = None):
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        pool: ConnectionPool[Any] | None = None,
+        sqlalchemy: Any = None,
+    ):
         #: names the tenant of the current request (see :meth:`tenant_loader`)
         self.load_tenant: Callable[[], str] | None = None
         #: settles ``unknown`` keys (see :meth:`reconciler`)
@@ -92,14 +98,24 @@ class Idempotency:
         #: who may use the console (see :meth:`console_access`); None: nobody
         self.console_access_check: Callable[[], Any] | None = None
         if app is not None:
-            self.init_app(app, pool=pool)
+            self.init_app(app, pool=pool, sqlalchemy=sqlalchemy)
 
-    def init_app(self, app: Flask, *, pool: ConnectionPool[Any] | None = None) -> None:
+    def init_app(
+        self, app: Flask, *, pool: ConnectionPool[Any] | None = None, sqlalchemy: Any = None
+    ) -> None:
         """Read and validate the ``IDEMPOTENCY_*`` config of *app* and install the hooks.
 
         No connection is opened here: the pool opens on the first request of each
         process, after gunicorn forked. A *pool* passed in is used as it is (the
         statements commit themselves; autocommit connections save a round trip).
+
+        *sqlalchemy*, a Flask-SQLAlchemy ``SQLAlchemy`` object (or a SQLAlchemy
+        ``scoped_session``), joins ``db.session`` to the key's transaction in
+        ``transactional=True`` views (:mod:`flask_idempotency.sqlalchemy`); its engine must
+        be psycopg 3 (``postgresql+psycopg://``).
+
+        .. versionchanged:: 0.1
+            The *sqlalchemy* argument.
 
         :raises ConfigError: a setting is invalid; the message says which and why.
         :raises RuntimeError: the extension is already registered on *app*.
@@ -125,6 +141,7 @@ class Idempotency:
             settings,
             PostgresStore(settings, pool),
             database_url_read=app.config.get("IDEMPOTENCY_DATABASE_URL"),
+            orm=_orm_join(app, sqlalchemy),
         )
         tracing.enable()  # spans when OpenTelemetry is installed (extra otel) and configured
         app.after_request(after_request)
@@ -360,3 +377,16 @@ def _check_rule(app: Flask, rule: Rule) -> None:
             " need no key. Register the idempotent view for POST, PUT, PATCH or DELETE"
             " only (a separate view for the reads)."
         )
+
+
+def _orm_join(app: Flask, target: Any) -> Any:
+    """The app's join of ``db.session`` to the key's transaction, or None."""
+    if target is None:
+        return None
+    try:
+        from .sqlalchemy import KeyTransactions
+    except ImportError as exc:  # pragma: no cover - the extra is not installed
+        raise ConfigError(
+            "sqlalchemy= needs SQLAlchemy: pip install 'flask-idempotency[sqlalchemy]'"
+        ) from exc
+    return KeyTransactions.for_app(app, target)

@@ -112,7 +112,8 @@ def begin(
                 state.store,
                 pinned=claim.pinned,
                 trace=trace,
-            )
+            ),
+            state.orm,
         )
     waited = time.monotonic() - started
     return answer(settings, identity.tenant, identity.key, outcome, claim.claim_seconds, waited)

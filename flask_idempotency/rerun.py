@@ -188,7 +188,7 @@ class Rerun:
                 pinned=pinned,
                 trace=trace,
             )
-            set_claim(claim)
+            set_claim(claim, state.orm)
         return answer(settings, self.tenant, self.key, outcome, 0.0, 0.0)
 
     def _refusal(self, settings: RouteSettings, identity: Any) -> str | None:

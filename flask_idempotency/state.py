@@ -39,6 +39,9 @@ class IdempotencyState:
     warned_shared_keys: bool = False
     #: ``IDEMPOTENCY_DATABASE_URL`` as ``init_app`` read it (see :func:`get_state`)
     database_url_read: Any = None
+    #: ``db.session`` joined to the key's transaction of transactional views
+    #: (:class:`~.sqlalchemy.KeyTransactions`), or None
+    orm: Any = None
     _waiter: CompletionWaiter | None = None
     _waiter_pid: int = 0
     #: each route's settings, merged once: keyed by the id of the route's own

@@ -20,7 +20,6 @@ from typing import Any
 
 import psycopg
 import pytest
-import schema_0_1_0
 from conftest import with_dbname
 from e2e_app import create_tables, environment
 from flask import Flask
@@ -29,6 +28,7 @@ from helpers import DB, count
 from ops_app import create_orders_table
 from pgserver import PostgresServer
 from psycopg import sql
+from test_schema_upgrade import create_old_table
 
 from flask_idempotency.store.ddl import INDEXES, RETIRED_INDEXES
 
@@ -264,28 +264,6 @@ def test_six_processes_of_three_apps_start_at_once_on_an_empty_database(
 # -- a first request on a table being upgraded is served ---------------------------------------
 
 
-def create_old_table(db: DB, table: str, rows: int) -> None:
-    """The keys table as 0.1.0 made it (the indexes this release retired), populated."""
-    names = {
-        "table": sql.Identifier(table),
-        "expires_index": sql.Identifier(f"{table}_expires_idx"),
-        "lease_index": sql.Identifier(f"{table}_lease_idx"),
-        "unknown_index": sql.Identifier(f"{table}_unknown_idx"),
-        "jobs": sql.Identifier(f"{table}_jobs"),
-        "jobs_due_index": sql.Identifier(f"{table}_jobs_due_idx"),
-    }
-    db.execute(sql.SQL(schema_0_1_0.KEYS).format(**names))
-    db.execute(sql.SQL(schema_0_1_0.JOBS).format(**names))
-    db.execute(
-        sql.SQL(
-            "INSERT INTO {} (tenant, key, fingerprint, status, attempt, generation, expires_at)"
-            " SELECT '', 'old-' || i, '\\x00'::bytea, 'completed', 1, 1, now() + interval '1 day'"
-            " FROM generate_series(1, %s) AS i"
-        ).format(names["table"]),
-        (rows,),
-    )
-
-
 def index_names(db: DB, table: str) -> dict[str, bool]:
     """The table's indexes, and whether each is valid."""
     rows = db.execute(
@@ -305,7 +283,7 @@ def test_a_first_request_is_served_while_the_indexes_build(
     the same table starts meanwhile without waiting; the earlier release's indexes stay
     (it may still serve); once the snapshot goes, the build finishes."""
     table = f"upgrading_{uuid.uuid4().hex[:8]}"
-    create_old_table(db, table, 20_000)
+    create_old_table(db, table)  # 0.1.0's table, 50 000 keys
     config = {"IDEMPOTENCY_TABLE": table, "IDEMPOTENCY_JOBS_TABLE": f"{table}_jobs"}
     with psycopg.connect(database_url) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

@@ -1,8 +1,9 @@
 """A request-path statement, rendered once, and the lean way it is run.
 
-:mod:`.statements_request` (and the other statement modules) write parameters by name (``%(key)s``) for the reader. A
-:class:`Statement` renders that once to PostgreSQL's ``$n`` form, with the order of
-its parameters (a name used twice becomes one parameter, sent once).
+:mod:`.statements_request` (and the other statement modules) write parameters by name
+(``%(key)s``) for the reader. A :class:`Statement` renders that once to PostgreSQL's
+``$n`` form, with the order of its parameters (a name used twice becomes one parameter,
+sent once).
 
 :func:`execute` runs it a level below psycopg's cursor: psycopg's own
 :class:`~psycopg.adapt.Transformer` dumps the parameters and loads the row (the same

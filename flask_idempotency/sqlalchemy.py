@@ -1,0 +1,278 @@
+"""Flask-SQLAlchemy in the key's transaction (SPEC §17), and the Alembic hook that keeps
+autogenerate away from the extension's tables.
+
+``Idempotency(app, sqlalchemy=db)`` makes :class:`KeyTransactions` for the app. In a
+``transactional=True`` view, ``db.session`` is a session of the key's transaction: an
+SQLAlchemy ``Connection`` on the claim's own psycopg connection, joined in savepoint mode
+(``join_transaction_mode="create_savepoint"``), so the view's flushes and its
+``db.session.commit()`` go into the key's transaction and become durable only with the
+stored answer; ``db.session.rollback()`` goes back to the savepoint. Outside such views
+``db.session`` is the app's own, untouched.
+
+How the join holds (each point a trap a hand-written join falls into):
+
+- SQLAlchemy gets the claim's connection through a small DBAPI wrapper whose ``commit``,
+  ``rollback`` and ``close`` do nothing: the pool's reset-on-return, a closed
+  ``Connection`` and a ``NullPool`` would otherwise end or close the key's transaction.
+  Its ``add_notice_handler`` does nothing either: the psycopg dialect adds one on every
+  connect, and they would pile up on the pooled connection.
+- The engine of the join is the app's URL with ``use_native_hstore=False`` (the dialect's
+  hstore probe needs the bare psycopg connection) and a ``NullPool``; one per app and
+  process, made on first use.
+- Flask-SQLAlchemy's ``Session.get_bind`` ignores ``bind=``: the key's session maps the
+  default engine to the key's connection, and leaves the other bind keys
+  (``SQLALCHEMY_BINDS``) on their own engines.
+- ``expire_on_commit`` is off in the key's session, so objects the view returns stay
+  readable after its final commit.
+- When the view returns, what it only flushed is committed into the key's transaction
+  (a savepoint-mode session that is closed rolls its savepoint back).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from flask import current_app, has_app_context
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+    from sqlalchemy import orm
+
+__all__ = ["KeyTransactions", "include_object"]
+
+logger = logging.getLogger("flask_idempotency")
+
+#: the claim's psycopg connection, for the join's engine to hand to SQLAlchemy
+_KEY_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar("idempotency_key_connection")
+
+#: the tables' default names (SPEC §17: the hook skips these and the configured ones)
+DEFAULT_TABLES = (
+    "idempotency_keys",
+    "idempotency_jobs",
+    "idempotency_audit",
+    "idempotency_heartbeats",
+)
+_TABLE_SETTINGS = (
+    "IDEMPOTENCY_TABLE",
+    "IDEMPOTENCY_JOBS_TABLE",
+    "IDEMPOTENCY_AUDIT_TABLE",
+    "IDEMPOTENCY_HEARTBEATS_TABLE",
+)
+
+
+class _KeyConnection:
+    """The claim's psycopg connection as SQLAlchemy's DBAPI connection: everything passes
+    through but what would end the key's transaction or pile up on the connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def commit(self) -> None:
+        """The key's transaction commits with the stored answer, never here."""
+
+    def rollback(self) -> None:
+        """A view's rollback goes to its savepoint (SQL); the key's ends with the key."""
+
+    def close(self) -> None:
+        """The connection is the key's, and goes back to the extension's pool."""
+
+    def add_notice_handler(self, handler: Any) -> None:
+        """Not added: one would pile up on the pooled connection per request."""
+
+
+class JoinedSession:
+    """The key's session of one view, and how it ends."""
+
+    def __init__(self, join: KeyTransactions, connection: sa.Connection, session: orm.Session):
+        self._join = join
+        self.connection = connection
+        self.session = session
+        self._previous: orm.Session | None = None
+
+    def commit(self) -> None:
+        """Flush and commit the view's work into the key's transaction (releasing the
+        savepoint); the key's ``COMMIT`` comes with the stored answer.
+
+        :raises Exception: the flush failed (a constraint, a type): the caller rolls the
+            key's transaction back.
+        """
+        self.session.commit()
+
+    def close(self) -> None:
+        """End the key's session (rolling back to its savepoint what was not committed)
+        and give ``db.session`` back to the app. Never raises: the key's transaction ends
+        anyway, on its own connection."""
+        try:
+            self.session.close()
+            self.connection.close()
+        except Exception as exc:  # a connection that died under the view
+            logger.debug("closing the key's SQLAlchemy session: %s", exc)
+        finally:
+            self._join.restore(self._previous)
+
+
+class KeyTransactions:
+    """Joins an app's Flask-SQLAlchemy ``db.session`` (or a ``scoped_session``) to the
+    key's transaction of ``transactional=True`` views.
+
+    :raises ConfigError: *target* is neither, or its engine is not psycopg 3.
+    """
+
+    def __init__(self, target: Any, url: sa.URL) -> None:
+        from sqlalchemy.orm import scoped_session
+
+        self._db = target if hasattr(type(target), "engines") else None
+        scoped = target.session if self._db is not None else target
+        if not isinstance(scoped, scoped_session):
+            raise ConfigError(
+                "sqlalchemy= takes a Flask-SQLAlchemy SQLAlchemy object or a SQLAlchemy"
+                f" scoped_session, not {type(target).__name__}."
+            )
+        self._scoped: scoped_session[Any] = scoped
+        if url.get_backend_name() != "postgresql" or url.get_driver_name() != "psycopg":
+            raise ConfigError(
+                "the SQLAlchemy engine must use psycopg 3 to share the key's transaction:"
+                f" its URL uses {url.drivername!r}; write 'postgresql+psycopg://...'"
+                " (pip install 'psycopg[binary]')."
+            )
+        self._url = url
+        self._engine: sa.Engine | None = None
+
+    @classmethod
+    def for_app(cls, app: Any, target: Any) -> KeyTransactions:
+        """The join for *app*; the engine's URL read from its config (Flask-SQLAlchemy's
+        ``SQLALCHEMY_DATABASE_URI``) or from the ``scoped_session``'s bind."""
+        from sqlalchemy.engine import make_url
+
+        if hasattr(type(target), "engines"):
+            uri = app.config.get("SQLALCHEMY_DATABASE_URI")
+            if not uri:
+                raise ConfigError(
+                    "sqlalchemy=db needs SQLALCHEMY_DATABASE_URI in the app's config"
+                    " (a 'postgresql+psycopg://' URL)."
+                )
+            return cls(target, make_url(uri))
+        bind = getattr(target, "session_factory", None)
+        engine = bind.kw.get("bind") if bind is not None else None
+        if engine is None:
+            raise ConfigError("sqlalchemy= got a scoped_session without a bind engine.")
+        return cls(target, engine.url)
+
+    def _key_engine(self) -> sa.Engine:
+        if self._engine is None:
+            from sqlalchemy import create_engine
+            from sqlalchemy.pool import NullPool
+
+            self._engine = create_engine(
+                self._url,
+                creator=lambda: _KeyConnection(_KEY_CONNECTION.get()),
+                poolclass=NullPool,
+                use_native_hstore=False,
+            )
+        return self._engine
+
+    def join(self, conn: Any) -> JoinedSession:
+        """Make ``db.session`` a session of the key's transaction on *conn* (the claim's
+        psycopg connection, in its open transaction) until the view ends."""
+        _KEY_CONNECTION.set(conn)
+        connection = self._key_engine().connect()
+        connection.begin()  # no SQL: the key's transaction is open already
+        default = self._default_engine()
+        factory = self._scoped.session_factory
+        options = {**factory.kw, "join_transaction_mode": "create_savepoint"}
+        options["expire_on_commit"] = False
+        session = _key_session_class(factory.class_)(
+            key_connection=connection, default_engine=default, **options
+        )
+        joined = JoinedSession(self, connection, session)
+        registry = self._scoped.registry
+        joined._previous = registry() if registry.has() else None
+        registry.set(session)
+        return joined
+
+    def restore(self, previous: orm.Session | None) -> None:
+        """Give ``db.session`` back: the app's session from before the view, or none."""
+        registry = self._scoped.registry
+        if previous is not None:
+            registry.set(previous)
+        else:
+            registry.clear()
+
+    def _default_engine(self) -> Any:
+        if self._db is not None:
+            return self._db.engines.get(None)
+        return self._scoped.session_factory.kw.get("bind")
+
+
+_SESSION_CLASSES: dict[type, type] = {}
+
+
+def _key_session_class(base: type) -> type:
+    """*base* (the app's session class), with the default engine mapped to the key's
+    connection: Flask-SQLAlchemy's ``get_bind`` picks engines by bind key and ignores
+    ``bind=``."""
+    made = _SESSION_CLASSES.get(base)
+    if made is None:
+
+        class KeySession(base):  # type: ignore[misc]
+            def __init__(self, *args: Any, key_connection: Any, default_engine: Any, **kw: Any):
+                super().__init__(*args, **kw)
+                self._key_connection = key_connection
+                self._key_default = default_engine
+
+            def get_bind(self, *args: Any, **kw: Any) -> Any:
+                chosen = super().get_bind(*args, **kw)
+                if chosen is self._key_default or self._key_default is None:
+                    return self._key_connection
+                return chosen  # another bind key's engine: not the key's transaction
+
+        made = _SESSION_CLASSES[base] = KeySession
+    return made
+
+
+# -- Alembic ---------------------------------------------------------------------------
+
+
+def include_object(
+    object: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """An Alembic ``include_object`` hook: False for the extension's tables (the default
+    names, and the names the current app configures) and their indexes, so that
+    ``flask db migrate`` / ``alembic revision --autogenerate`` proposes nothing for them::
+
+        from flask_idempotency.sqlalchemy import include_object
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          include_object=include_object)
+    """
+    if type_ == "table":
+        return not _ours(name, getattr(object, "schema", None))
+    table = getattr(object, "table", None)
+    if (
+        type_ in ("index", "unique_constraint", "column", "foreign_key_constraint")
+        and table is not None
+    ):
+        return not _ours(table.name, table.schema)
+    return True
+
+
+#: what autogenerate compares inside a table: skipped with the table
+_TABLE_PARTS = ("index", "unique_constraint", "column", "foreign_key_constraint")
+
+
+def _ours(name: str | None, schema: str | None) -> bool:
+    if name is None:
+        return False
+    names = set(DEFAULT_TABLES)
+    if has_app_context():
+        config: Mapping[str, Any] = current_app.config
+        names.update(str(config[key]) for key in _TABLE_SETTINGS if config.get(key))
+    qualified = f"{schema}.{name}" if schema else name
+    return name in names or qualified in names
