@@ -12,7 +12,8 @@ options; with the app's settings they say what the route answers:
 
 - the key's header parameter (``IDEMPOTENCY_HEADER``; ``required`` as the route's
   ``required``);
-- ``Idempotent-Replayed`` (``IDEMPOTENCY_REPLAY_HEADER``) on every 2xx answer;
+- ``Idempotent-Replayed`` (``IDEMPOTENCY_REPLAY_HEADER``) on every 2xx answer, and
+  ``Idempotency-Key-Expires`` where the route sends it (``expires_header``);
 - the extension's own answers, 400, 409, 422 and 503, as ``application/problem+json``
   (``application/json`` in the Stripe format) with ``Retry-After`` where it is sent. A
   status the framework already documents (its 422 for validation errors) keeps its own
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app, has_app_context
 from werkzeug.routing import Rule
 
+from .answers import EXPIRES_HEADER
 from .config import RouteSettings
 from .errors import (
     PROBLEM_MEDIA_TYPE,
@@ -274,6 +276,8 @@ def describe_operation(spec: APISpec, operation: dict[str, Any], settings: Route
             response = responses[code] = _inline(spec, responses[code])
             headers = response.setdefault("headers", {})
             headers.setdefault(settings.replay_header, _replayed_header())
+            if settings.expires_header:
+                headers.setdefault(EXPIRES_HEADER, _expires_header())
     for status, answer in _answers(spec, settings).items():
         _merge(spec, responses, status, answer)
 
@@ -311,6 +315,14 @@ def _replayed_header() -> dict[str, Any]:
         "description": "true on a replay: the stored answer to an earlier request with the"
         " same key, sent again without running the operation.",
         "schema": {"type": "string", "enum": ["true"]},
+    }
+
+
+def _expires_header() -> dict[str, Any]:
+    return {
+        "description": "When the key is forgotten (an HTTP-date): until then, a retry gets"
+        " this answer again.",
+        "schema": {"type": "string"},
     }
 
 

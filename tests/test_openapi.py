@@ -146,7 +146,7 @@ def smorest_app(made: Callable[..., Idempotency], **config: Any) -> tuple[Flask,
 
     @blp.route("/optional", methods=["POST"])
     @blp.response(201, Pet)
-    @idempotency.idempotent(required=False)
+    @idempotency.idempotent(required=False, expires_header=True)
     def optional() -> dict[str, Any]:
         return {"name": "x"}
 
@@ -184,6 +184,9 @@ def test_flask_smorest(made: Callable[..., Idempotency]) -> None:
     paths = document["paths"]
     assert_idempotent(paths["/pets"]["post"])
     assert_idempotent(paths["/optional"]["post"], required=False)
+    # the route sends Idempotency-Key-Expires; the others do not
+    assert "Idempotency-Key-Expires" in paths["/optional"]["post"]["responses"]["201"]["headers"]
+    assert "Idempotency-Key-Expires" not in paths["/pets"]["post"]["responses"]["201"]["headers"]
     assert_plain(paths["/plain"]["post"])
     # MethodView: each method on its own
     assert_idempotent(paths["/orders"]["post"])
