@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -206,15 +207,17 @@ def _make_plugin(known_apps: Callable[[], Iterable[Flask]], app: Flask | None) -
         def operation_helper(
             self, path: str | None = None, operations: dict[str, Any] | None = None, **kwargs: Any
         ) -> None:
-            if not operations:
-                return
-            owner = _app_of(kwargs, app, known_apps)
-            for method, operation in operations.items():
+            owner = None  # looked for when needed: a plain view's spec needs no app
+            for method, operation in (operations or {}).items():
                 if not isinstance(operation, dict):
                     continue
-                view = _view_of(owner, path, method, kwargs)
+                view = kwargs.get("view")  # apispec-webframeworks: spec.path(view=...)
+                if view is None:
+                    owner = owner or _app_of(kwargs, app, known_apps)
+                    view = _view_of(owner, path, method, kwargs)
                 options = route_options(view, method) if view is not None else None
                 if options is not None:
+                    owner = owner or _app_of(kwargs, app, known_apps)
                     settings = get_state(owner).route_settings(options)
                     describe_operation(self.spec, operation, settings)
 
@@ -247,18 +250,36 @@ def _app_of(
 
 
 def _view_of(app: Flask, path: str | None, method: str, kwargs: dict[str, Any]) -> Any:
-    """The view function behind one operation, or None."""
-    if kwargs.get("view") is not None:  # apispec-webframeworks: spec.path(view=...)
-        return kwargs["view"]
+    """The view function behind one operation of a path added without ``view=``, or
+    None."""
     rule = kwargs.get("rule")
     if isinstance(rule, Rule):  # flask-smorest
         return app.view_functions.get(rule.endpoint)
     if path is None:
         return None
-    for candidate in app.url_map.iter_rules():
-        if method.upper() in (candidate.methods or ()) and openapi_path(candidate.rule) == path:
+    for candidate in _rules_by_path(app).get(path, ()):
+        if method.upper() in (candidate.methods or ()):
             return app.view_functions.get(candidate.endpoint)
     return None
+
+
+#: each app's rules by OpenAPI path, with the number of rules they were made from
+_RULES_BY_PATH: weakref.WeakKeyDictionary[Flask, tuple[int, dict[str, list[Rule]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _rules_by_path(app: Flask) -> dict[str, list[Rule]]:
+    """*app*'s rules by OpenAPI path, made again when a rule was added since: a spec made
+    by paths alone (APIFlask) looks up each of them."""
+    rules = list(app.url_map.iter_rules())
+    count, index = _RULES_BY_PATH.get(app, (-1, {}))
+    if count != len(rules):
+        index = {}
+        for rule in rules:
+            index.setdefault(openapi_path(rule.rule), []).append(rule)
+        _RULES_BY_PATH[app] = (len(rules), index)
+    return index
 
 
 # -- one operation ---------------------------------------------------------------------------

@@ -447,12 +447,21 @@ def test_a_spec_of_several_apps_needs_an_app_context(made: Callable[..., Idempot
     def create() -> str:
         return ""
 
+    @second.post("/plain")
+    def plain() -> str:
+        return ""
+
     try:
         spec = APISpec("t", "1", "3.0.3")
         idempotency.init_openapi(spec)
         operations = {"post": {"responses": {"201": {"description": "made"}}}}
         with pytest.raises(RuntimeError, match="app_context"):
             spec.path(path="/pets", operations=operations)
+        with pytest.raises(RuntimeError, match="app=app"):
+            spec.path(path="/pets", operations=operations, view=create)
+        # a plain view needs no app: nothing is added to it
+        spec.path(path="/plain", operations=operations, view=plain)
+        assert_plain(spec.to_dict()["paths"]["/plain"]["post"])
         with first.app_context():
             spec.path(path="/pets", operations=operations)
         assert_idempotent(spec.to_dict()["paths"]["/pets"]["post"])
