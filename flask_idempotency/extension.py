@@ -171,6 +171,29 @@ class Idempotency:
         prefix = url_prefix if url_prefix is not None else get_state(app).settings.console_path
         app.register_blueprint(make_blueprint(prefix), url_prefix=prefix)
 
+    def init_openapi(self, target: Any) -> None:
+        """Describe the idempotent routes in the OpenAPI document that *target* makes: a
+        flask-smorest ``Api``, an APIFlask app or an apispec ``APISpec`` (extra
+        ``openapi``). Call it once, after :meth:`init_app` and ``Api(app)``, before the
+        routes are added to a flask-smorest or apispec spec (APIFlask: anywhere).
+
+        Each idempotent operation then has the key's header parameter
+        (``IDEMPOTENCY_HEADER``, required as the route's ``required``), the
+        ``IDEMPOTENCY_REPLAY_HEADER`` on its 2xx responses, and the extension's 400, 409,
+        422 and 503 answers as ``application/problem+json`` (with ``Retry-After`` on 409
+        and 503), each merged into the response the framework documents for that status
+        (its 422 for validation errors keeps its content beside ours). Other routes are
+        left as they are. ``MethodView`` methods count on their own.
+
+        :raises TypeError: *target* is none of those three.
+        :raises ConfigError: the document is not OpenAPI 3, a flask-smorest ``Api`` has
+            no spec yet, or the spec has paths already.
+        :raises RuntimeError: ``init_openapi`` already ran on *target*.
+        """
+        from .openapi import init_openapi
+
+        init_openapi(target, lambda: list(self._apps))
+
     def console_access(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Register ``fn()``, which says what the current request may do in the console:
         ``None`` (nothing: 403), ``"read_only"`` (every page, no action: a POST is 403),

@@ -46,6 +46,8 @@ RUNS: dict[str, list[str]] = {
     "encryption": ["howto/encryption.md"],
     "console": ["howto/console.md"],
     "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
+    "views": ["howto/views.md"],
+    "auth": ["howto/auth.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES: set[str] = set()
