@@ -93,7 +93,7 @@ class JoinedSession:
 
     def __init__(self, join: KeyTransactions, connection: sa.Connection, session: orm.Session):
         self._join = join
-        self.connection = connection
+        self.bound = connection
         self.session = session
         self._previous: orm.Session | None = None
 
@@ -112,7 +112,7 @@ class JoinedSession:
         anyway, on its own connection."""
         try:
             self.session.close()
-            self.connection.close()
+            self.bound.close()
         except Exception as exc:  # a connection that died under the view
             logger.debug("closing the key's SQLAlchemy session: %s", exc)
         finally:
