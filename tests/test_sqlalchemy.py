@@ -3,13 +3,18 @@ model (tests/orm_app.py), writing through ``db.session`` in a ``transactional=Tr
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from flask import Flask
+from gunicorn_server import GunicornServer, Response, race
+from gunicorn_server import post as http_post
 from helpers import DB, count, wait_until
 
 from flask_idempotency import ConfigError, Idempotency
@@ -173,3 +178,107 @@ def _tables(op: Any) -> list[str]:
     if isinstance(table, sa.Table):
         return [table.name]
     return [op] if isinstance(op, str) else []
+
+
+# -- under real gunicorn -----------------------------------------------------------------------
+
+
+def start_orm_server(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> GunicornServer:
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS e2e_gates"
+        " (name text PRIMARY KEY, open boolean NOT NULL DEFAULT false)"
+    )
+    env = {
+        "ORM_DATABASE_URL": psycopg_url(database_url),
+        "FLASK_IDEMPOTENCY_DATABASE_URL": database_url,
+        "FLASK_IDEMPOTENCY_TABLE": ORM_TABLES["IDEMPOTENCY_TABLE"],
+        "FLASK_IDEMPOTENCY_JOBS_TABLE": ORM_TABLES["IDEMPOTENCY_JOBS_TABLE"],
+        "FLASK_IDEMPOTENCY_LEASE": "30",
+    }
+    return start_gunicorn("orm_app:create_app()", env=env, workers=3, ready_path="/health")
+
+
+def test_thirty_requests_with_one_key_make_one_order_under_gunicorn(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    server = start_orm_server(start_gunicorn, database_url, db)
+    key = f"orm-{uuid.uuid4()}"
+
+    def send(i: int, connection: Any) -> Response:
+        headers = {"X-Delay": "0.5", "X-Commit": "1" if i % 2 else ""}
+        return http_post(server.port, "/orders", key, headers=headers, connection=connection)
+
+    answers = race(server.port, 30, send)
+    statuses = sorted(a.status for a in answers)
+    assert orders_of(db, key) == 1, statuses
+    assert set(statuses) <= {201, 409}, statuses
+    made = [a for a in answers if a.status == 201]
+    assert all(a.body == made[0].body for a in made)  # one answer, the rest replays of it
+    assert count(db, "SELECT count(*) FROM orm_jobs WHERE key = %s", key) == 1
+
+
+def test_a_worker_killed_mid_view_leaves_nothing_and_the_retry_runs_at_once(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    server = start_orm_server(start_gunicorn, database_url, db)
+    key, gate = f"orm-{uuid.uuid4()}", f"gate-{uuid.uuid4()}"
+    db.execute("INSERT INTO e2e_gates (name) VALUES (%s)", (gate,))
+    held = {"X-Gate": gate, "X-Commit": "1"}
+    thread = threading.Thread(target=_quietly, args=(server.port, key, held))
+    thread.start()
+    try:
+        # the view holds the key's transaction (its advisory lock) at its gate
+        pid = wait_until(lambda: _lock_holder_pid(db), 30)
+        worker = next(w for w in server.worker_pids() if _backend_of(db, pid, w))
+        os.kill(worker, signal.SIGKILL)
+    finally:
+        db.execute("UPDATE e2e_gates SET open = true WHERE name = %s", (gate,))
+        thread.join(30)
+    wait_until(lambda: not _lock_holder_pid(db), 30)  # PostgreSQL rolled the key back
+    assert orders_of(db, key) == 0
+    assert count(db, "SELECT count(*) FROM orm_keys WHERE key = %s", key) == 0
+    assert count(db, "SELECT count(*) FROM orm_jobs WHERE key = %s", key) == 0
+    retry = http_post(server.port, "/orders", key)  # no lease to wait for: it runs at once
+    assert retry.status == 201 and orders_of(db, key) == 1
+
+
+def _quietly(port: int, key: str, headers: dict[str, str]) -> None:
+    try:
+        http_post(port, "/orders", key, headers=headers)
+    except OSError:
+        pass  # the worker was killed: its connection dies with it
+
+
+def _lock_holder_pid(db: DB) -> int | None:
+    row = db.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' LIMIT 1").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _backend_of(db: DB, backend: int, worker: int) -> bool:
+    """The PostgreSQL backend *backend* serves a connection of the process *worker*."""
+    row = db.execute(
+        "SELECT client_port FROM pg_stat_activity WHERE pid = %s", (backend,)
+    ).fetchone()
+    if row is None or row[0] is None:
+        return False
+    return db_sockets_of(worker, int(row[0]))
+
+
+def db_sockets_of(pid: int, client_port: int) -> bool:
+    """*pid* has a TCP socket whose local port is *client_port* (read from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == client_port and fields[9] in inodes:
+                return True
+    return False
