@@ -48,6 +48,7 @@ RUNS: dict[str, list[str]] = {
     "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
     "views": ["howto/views.md"],
     "auth": ["howto/auth.md"],
+    "flask-sqlalchemy": ["howto/flask-sqlalchemy.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES: set[str] = set()
@@ -186,6 +187,11 @@ def test_docs_examples_run(
         for app in apps:
             if "idempotency" in app.extensions:
                 app.extensions["idempotency"].store.close()
+            orm = app.extensions.get("sqlalchemy")
+            if orm is not None:  # a page's Flask-SQLAlchemy engines and their pools
+                with app.app_context():
+                    for engine in orm.engines.values():
+                        engine.dispose()
 
 
 def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str) -> None:
