@@ -1,0 +1,231 @@
+"""The httpx side of the client: :class:`IdempotentTransport` and its async twin, imported by
+``flask_idempotency.client`` when first asked for (httpx is the ``client`` extra)."""
+
+from __future__ import annotations
+
+import random as _random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import anyio
+import httpx
+
+from .policy import (
+    KEY_HEADER,
+    Attempts,
+    RetryPolicy,
+    log_retry,
+    new_key,
+    retry_after_seconds,
+    retryable_problem,
+    retryable_status,
+    should_retry_header,
+    wants_body,
+)
+
+#: errors after which the request may or may not have run: the same key makes a retry safe.
+#: Not retried: LocalProtocolError, UnsupportedProtocol, ProxyError (the next attempt fails
+#: alike), DecodingError (the server answered).
+RETRIED_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+
+def _streamed(request: httpx.Request) -> bool:
+    """Whether the body has no known length (a generator): httpx then sends it chunked, and
+    it cannot be sent again."""
+    return "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+
+
+def _answer(response: httpx.Response, raw: bytes) -> httpx.Response:
+    """*response* again, its body from *raw*: read whole within the attempt (a connection
+    that drops mid-answer is retried too), then handed to the client as if just received."""
+    return httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        stream=httpx.ByteStream(raw),
+        extensions=response.extensions,
+    )
+
+
+def _retry_wait(response: httpx.Response, raw: bytes, attempts: Attempts) -> float | None:
+    """Seconds before the next attempt after *response*, or None to return it."""
+    headers = response.headers
+    retry = retryable_status(
+        response.status_code, should_retry_header(headers.get("Stripe-Should-Retry"))
+    )
+    if retry is None:
+        retry = wants_body(headers.get("Content-Type"), str(len(raw))) and retryable_problem(
+            # decoded (a proxy may have compressed it) through a throwaway response
+            httpx.Response(response.status_code, headers=headers, content=raw).content
+        )
+    if not retry:
+        return None
+    return attempts.wait_before_next(retry_after_seconds(headers.get("Retry-After")))
+
+
+class _Settings:
+    """The arguments both transports take, checked once."""
+
+    def __init__(
+        self,
+        max_attempts: int,
+        max_elapsed: float,
+        backoff: float,
+        max_backoff: float,
+        methods: Iterable[str],
+        random: Callable[[], float],
+    ) -> None:
+        self.policy = RetryPolicy.checked(max_attempts, max_elapsed, backoff, max_backoff, methods)
+        self._random = random
+
+    def _start(self, request: httpx.Request) -> Attempts | None:
+        """Give *request* its key; the attempts to count if it may be retried, else None."""
+        if not self.policy.covers(request.method):
+            return None
+        if KEY_HEADER not in request.headers:
+            request.headers[KEY_HEADER] = new_key()
+        if _streamed(request):
+            return None
+        return Attempts(self.policy, self._random)
+
+
+class IdempotentTransport(_Settings, httpx.BaseTransport):
+    """An httpx transport that makes ``POST`` and ``PATCH`` safe to retry, and retries them.
+
+    .. code-block:: python
+
+        import httpx
+        from flask_idempotency.client import IdempotentTransport
+
+        client = httpx.Client(transport=IdempotentTransport(), base_url="https://payments")
+        client.post("/charges", json={"amount": 100})  # one key, however many attempts
+
+    A request whose method is in *methods* and that has no ``Idempotency-Key`` gets one (a
+    UUID4), which all its attempts send; a key the caller set is kept. It is retried after a
+    connection error or a timeout, and after an answer the server marks retryable: a 409
+    whose problem says ``retryable: true`` (or with ``Stripe-Should-Retry: true``), 429, 503,
+    and any 5xx with ``Stripe-Should-Retry: true``. Every other answer, among them 422 and a
+    409 ``outcome-unknown``, is returned as it came. Requests of other methods pass through
+    untouched.
+
+    The body is buffered so that every attempt sends it again; a body of unknown length (a
+    generator, which httpx sends chunked) cannot be, so such a request gets its key and is
+    sent once. The answer of a retried method is read whole within its attempt.
+
+    :param transport: the transport that sends each attempt; by default a new
+        :class:`httpx.HTTPTransport`. Closing this transport closes it.
+    :param max_attempts: attempts per request, the first included.
+    :param max_elapsed: seconds, counted from the first attempt, within which a retry may
+        start; a wait that would end later is not made and the last answer is returned (or
+        the last error raised). An attempt's own length is bounded by the client's timeout.
+    :param backoff: the first wait's ceiling, in seconds; it doubles with each attempt
+        (full jitter: the wait is a random fraction of the ceiling).
+    :param max_backoff: the largest wait, in seconds, also for the server's ``Retry-After``.
+    :param methods: the methods that get a key and are retried.
+    :param sleep: called with the seconds to wait between attempts.
+    :param random: returns a float in [0, 1), the jitter.
+    """
+
+    def __init__(
+        self,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        max_attempts: int = 5,
+        max_elapsed: float = 30.0,
+        backoff: float = 0.5,
+        max_backoff: float = 8.0,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        sleep: Callable[[float], None] = time.sleep,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        super().__init__(max_attempts, max_elapsed, backoff, max_backoff, methods, random)
+        self.transport = transport if transport is not None else httpx.HTTPTransport()
+        self._sleep = sleep
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        """Send *request*, again while its answer or error is retryable and the budget lasts."""
+        attempts = self._start(request)
+        if attempts is None:
+            return self.transport.handle_request(request)
+        request.read()  # buffered once: every attempt sends the same bytes
+        while True:
+            attempts.attempt()
+            try:
+                response = self.transport.handle_request(request)
+                try:
+                    raw = b"".join(response.iter_raw())
+                finally:
+                    response.close()
+            except RETRIED_ERRORS as exc:
+                wait = attempts.wait_before_next(None)
+                if wait is None:
+                    raise
+                log_retry(request.method, request.url, request.headers, attempts, wait, exc)
+            else:
+                wait = _retry_wait(response, raw, attempts)
+                if wait is None:
+                    return _answer(response, raw)
+                log_retry(request.method, request.url, request.headers, attempts, wait, response)
+            self._sleep(wait)
+
+    def close(self) -> None:
+        """Close the wrapped transport."""
+        self.transport.close()
+
+
+IdempotentTransport.__module__ = "flask_idempotency.client"
+
+
+class AsyncIdempotentTransport(_Settings, httpx.AsyncBaseTransport):
+    """:class:`IdempotentTransport` for :class:`httpx.AsyncClient`: the same arguments and
+    behaviour, with an async *transport* (by default a new :class:`httpx.AsyncHTTPTransport`)
+    and an async *sleep* (by default :func:`anyio.sleep`, so asyncio and trio both work).
+    """
+
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        max_attempts: int = 5,
+        max_elapsed: float = 30.0,
+        backoff: float = 0.5,
+        max_backoff: float = 8.0,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        super().__init__(max_attempts, max_elapsed, backoff, max_backoff, methods, random)
+        self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
+        self._sleep = sleep
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send *request*, again while its answer or error is retryable and the budget lasts."""
+        attempts = self._start(request)
+        if attempts is None:
+            return await self.transport.handle_async_request(request)
+        await request.aread()
+        while True:
+            attempts.attempt()
+            try:
+                response = await self.transport.handle_async_request(request)
+                try:
+                    raw = b"".join([chunk async for chunk in response.aiter_raw()])
+                finally:
+                    await response.aclose()
+            except RETRIED_ERRORS as exc:
+                wait = attempts.wait_before_next(None)
+                if wait is None:
+                    raise
+                log_retry(request.method, request.url, request.headers, attempts, wait, exc)
+            else:
+                wait = _retry_wait(response, raw, attempts)
+                if wait is None:
+                    return _answer(response, raw)
+                log_retry(request.method, request.url, request.headers, attempts, wait, response)
+            await self._sleep(wait)
+
+    async def aclose(self) -> None:
+        """Close the wrapped transport."""
+        await self.transport.aclose()
+
+
+AsyncIdempotentTransport.__module__ = "flask_idempotency.client"
