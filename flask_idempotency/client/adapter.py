@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import random as _random
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -113,7 +113,7 @@ class IdempotentAdapter(HTTPAdapter):
         max_backoff: float = 8.0,
         methods: Iterable[str] = ("POST", "PATCH"),
         sleep: Callable[[float], None] = time.sleep,
-        random: Callable[[], float] = _random.random,
+        random: Callable[[], float] = random.random,
         pool_connections: int = DEFAULT_POOLSIZE,
         pool_maxsize: int = DEFAULT_POOLSIZE,
         pool_block: bool = DEFAULT_POOLBLOCK,

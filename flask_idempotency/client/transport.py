@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import random as _random
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -135,7 +135,7 @@ class IdempotentTransport(_Settings, httpx.BaseTransport):
         max_backoff: float = 8.0,
         methods: Iterable[str] = ("POST", "PATCH"),
         sleep: Callable[[float], None] = time.sleep,
-        random: Callable[[], float] = _random.random,
+        random: Callable[[], float] = random.random,
     ) -> None:
         super().__init__(max_attempts, max_elapsed, backoff, max_backoff, methods, random)
         self.transport = transport if transport is not None else httpx.HTTPTransport()
@@ -191,7 +191,7 @@ class AsyncIdempotentTransport(_Settings, httpx.AsyncBaseTransport):
         max_backoff: float = 8.0,
         methods: Iterable[str] = ("POST", "PATCH"),
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-        random: Callable[[], float] = _random.random,
+        random: Callable[[], float] = random.random,
     ) -> None:
         super().__init__(max_attempts, max_elapsed, backoff, max_backoff, methods, random)
         self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
