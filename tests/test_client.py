@@ -180,6 +180,8 @@ class Caller:
 
     @staticmethod
     def _httpx(response: httpx.Response) -> Answer:
+        # read and closed as any answer of httpx, though the transport read it first
+        assert response.is_closed and response.elapsed.total_seconds() > 0
         return Answer(
             response.status_code,
             response.headers,
@@ -421,6 +423,30 @@ def test_the_budget_in_attempts_is_kept(kind: str, outage: int) -> None:
 )
 def test_which_answers_are_retried(status: int, should_retry: bool | None, retry: object) -> None:
     assert retryable_status(status, should_retry) is retry
+
+
+def test_a_409_is_retried_on_its_problem_alone() -> None:
+    """Without ``Stripe-Should-Retry`` (a proxy dropped it), the problem's ``retryable``
+    decides. (httpx's MockTransport stands for the server: ours always sends the header.)"""
+    problem = {"type": "in-progress", "status": 409, "retryable": True}
+    answers = [
+        httpx.Response(409, headers={"Content-Type": "application/problem+json"}, json=problem),
+        httpx.Response(409, headers={"Content-Type": "application/problem+json"}, json={}),
+    ]
+    keys: list[str | None] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("Idempotency-Key"))
+        return answers[len(keys) - 1]
+
+    waits: list[float] = []
+    transport = IdempotentTransport(
+        httpx.MockTransport(server), sleep=waits.append, random=lambda: 0.0
+    )
+    with httpx.Client(transport=transport) as client:
+        answer = client.patch("http://api/orders/1", json={"state": "paid"})
+    assert answer.status_code == 409 and answer.json() == {}  # not retryable: returned
+    assert waits == [0.0] and len(keys) == 2 and keys[0] == keys[1] is not None
 
 
 def test_waits_are_capped_by_max_backoff_and_the_budget() -> None:

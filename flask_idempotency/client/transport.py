@@ -35,9 +35,31 @@ def _streamed(request: httpx.Request) -> bool:
     return "chunked" in request.headers.get("Transfer-Encoding", "").lower()
 
 
-def _answer(response: httpx.Response, raw: bytes) -> httpx.Response:
-    """*response* again, its body from *raw*: read whole within the attempt (a connection
-    that drops mid-answer is retried too), then handed to the client as if just received."""
+def _in_memory(response: httpx.Response) -> httpx.Response:
+    """*response* with its body read whole, within the attempt (so that a connection that
+    drops mid-answer is retried too), handed on to the client as if just received."""
+    if response.is_stream_consumed:  # the wrapped transport built it in memory
+        return response
+    try:
+        raw = b"".join(response.iter_raw())
+    finally:
+        response.close()
+    return _rebuilt(response, raw)
+
+
+async def _in_memory_async(response: httpx.Response) -> httpx.Response:
+    """:func:`_in_memory` for an async transport."""
+    if response.is_stream_consumed:
+        return response
+    try:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+    return _rebuilt(response, raw)
+
+
+def _rebuilt(response: httpx.Response, raw: bytes) -> httpx.Response:
+    # Not read: the client reads it as any answer, which sets .elapsed and decodes it.
     return httpx.Response(
         response.status_code,
         headers=response.headers,
@@ -46,17 +68,26 @@ def _answer(response: httpx.Response, raw: bytes) -> httpx.Response:
     )
 
 
-def _retry_wait(response: httpx.Response, raw: bytes, attempts: Attempts) -> float | None:
+def _body(response: httpx.Response) -> bytes:
+    """The decoded body of a response of :func:`_in_memory`, which stays unread."""
+    if response.is_stream_consumed:
+        return response.content
+    # a ByteStream yields its bytes on every iteration: a throwaway response decodes them
+    return httpx.Response(
+        response.status_code, headers=response.headers, stream=response.stream
+    ).read()
+
+
+def _retry_wait(response: httpx.Response, attempts: Attempts) -> float | None:
     """Seconds before the next attempt after *response*, or None to return it."""
     headers = response.headers
     retry = retryable_status(
         response.status_code, should_retry_header(headers.get("Stripe-Should-Retry"))
     )
     if retry is None:
-        retry = wants_body(headers.get("Content-Type"), str(len(raw))) and retryable_problem(
-            # decoded (a proxy may have compressed it) through a throwaway response
-            httpx.Response(response.status_code, headers=headers, content=raw).content
-        )
+        retry = wants_body(
+            headers.get("Content-Type"), headers.get("Content-Length")
+        ) and retryable_problem(_body(response))
     if not retry:
         return None
     return attempts.wait_before_next(retry_after_seconds(headers.get("Retry-After")))
@@ -150,20 +181,16 @@ class IdempotentTransport(_Settings, httpx.BaseTransport):
         while True:
             attempts.attempt()
             try:
-                response = self.transport.handle_request(request)
-                try:
-                    raw = b"".join(response.iter_raw())
-                finally:
-                    response.close()
+                response = _in_memory(self.transport.handle_request(request))
             except RETRIED_ERRORS as exc:
                 wait = attempts.wait_before_next(None)
                 if wait is None:
                     raise
                 log_retry(request.method, request.url, request.headers, attempts, wait, exc)
             else:
-                wait = _retry_wait(response, raw, attempts)
+                wait = _retry_wait(response, attempts)
                 if wait is None:
-                    return _answer(response, raw)
+                    return response
                 log_retry(request.method, request.url, request.headers, attempts, wait, response)
             self._sleep(wait)
 
@@ -206,20 +233,18 @@ class AsyncIdempotentTransport(_Settings, httpx.AsyncBaseTransport):
         while True:
             attempts.attempt()
             try:
-                response = await self.transport.handle_async_request(request)
-                try:
-                    raw = b"".join([chunk async for chunk in response.aiter_raw()])
-                finally:
-                    await response.aclose()
+                response = await _in_memory_async(
+                    await self.transport.handle_async_request(request)
+                )
             except RETRIED_ERRORS as exc:
                 wait = attempts.wait_before_next(None)
                 if wait is None:
                     raise
                 log_retry(request.method, request.url, request.headers, attempts, wait, exc)
             else:
-                wait = _retry_wait(response, raw, attempts)
+                wait = _retry_wait(response, attempts)
                 if wait is None:
-                    return _answer(response, raw)
+                    return response
                 log_retry(request.method, request.url, request.headers, attempts, wait, response)
             await self._sleep(wait)
 
