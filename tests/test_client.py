@@ -53,15 +53,15 @@ JITTER = 0.5  # what random() returns: each jittered wait is half its ceiling
 # -- the servers ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """The e2e app under gunicorn; an abandoned claim becomes ``unknown``."""
-    create_tables(database_url)
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, env: dict[str, str], workers: int
+) -> Iterator[int]:
+    """The e2e app under gunicorn with *env*, for a module: its port."""
     gunicorn = GunicornServer(
         APP,
         log_path=tmp_path_factory.mktemp("client") / "gunicorn.log",
-        env=environment(database_url, database_url, on_abandoned="unknown"),
-        workers=2,
+        env=env,
+        workers=workers,
         ready_path="/health",
     )
     gunicorn.start()
@@ -69,6 +69,14 @@ def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield gunicorn.port
     finally:
         gunicorn.stop()
+
+
+@pytest.fixture(scope="module")
+def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """The e2e app; an abandoned claim becomes ``unknown``. Two workers: one may be held."""
+    create_tables(database_url)
+    env = environment(database_url, database_url, on_abandoned="unknown")
+    yield from serve(tmp_path_factory, env, workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +84,8 @@ def outage(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """The e2e app whose store is a port nothing listens on: every POST /pay answers 503
     ``store-unavailable`` with ``Retry-After: 1``, after the pool's short timeout."""
     dead = f"postgresql://nobody@127.0.0.1:{free_port()}/nothing?connect_timeout=1"
-    gunicorn = GunicornServer(
-        APP,
-        log_path=tmp_path_factory.mktemp("client-outage") / "gunicorn.log",
-        env=environment(dead, database_url, pool_timeout=0.2, retry_after=1),
-        workers=1,
-        ready_path="/health",
-    )
-    gunicorn.start()
-    try:
-        yield gunicorn.port
-    finally:
-        gunicorn.stop()
+    env = environment(dead, database_url, pool_timeout=0.2, retry_after=1)
+    yield from serve(tmp_path_factory, env, workers=1)
 
 
 @pytest.fixture
@@ -452,7 +450,7 @@ def test_a_409_is_retried_on_its_problem_alone() -> None:
 def test_waits_are_capped_by_max_backoff_and_the_budget() -> None:
     policy = RetryPolicy.checked(8, 30.0, 0.5, 3.0, ["post"])
     assert policy.covers("POST") and not policy.covers("GET")
-    attempts = Attempts(policy, lambda: 0.999)
+    attempts = Attempts(policy, lambda: 0.999, "POST /x")
     waits = []
     for _ in range(5):
         attempts.attempt()

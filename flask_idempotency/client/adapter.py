@@ -17,18 +17,7 @@ from requests.exceptions import (
     Timeout,
 )
 
-from .policy import (
-    KEY_HEADER,
-    Attempts,
-    RetryPolicy,
-    log_retry,
-    new_key,
-    retry_after_seconds,
-    retryable_problem,
-    retryable_status,
-    should_retry_header,
-    wants_body,
-)
+from .policy import KEY_HEADER, Attempts, RetryPolicy, label, new_key
 
 #: errors after which the request may or may not have run: the same key makes a retry safe
 RETRIED_ERRORS = (ConnectionError, Timeout, ChunkedEncodingError)
@@ -48,19 +37,11 @@ def _replayable(request: PreparedRequest) -> bool:
     return True
 
 
-def _retry_wait(response: Response, attempts: Attempts) -> float | None:
+def _after(response: Response, attempts: Attempts) -> float | None:
     """Seconds before the next attempt after *response*, or None to return it."""
-    headers = response.headers
-    retry = retryable_status(
-        response.status_code, should_retry_header(headers.get("Stripe-Should-Retry"))
+    return attempts.after_answer(
+        response.status_code, response.headers, lambda: response.content, response
     )
-    if retry is None:
-        retry = wants_body(
-            headers.get("Content-Type"), headers.get("Content-Length")
-        ) and retryable_problem(response.content)
-    if not retry:
-        return None
-    return attempts.wait_before_next(retry_after_seconds(headers.get("Retry-After")))
 
 
 class IdempotentAdapter(HTTPAdapter):
@@ -156,22 +137,21 @@ class IdempotentAdapter(HTTPAdapter):
             request.headers[KEY_HEADER] = new_key()
         if not _replayable(request):
             return attempt()
-        attempts = Attempts(self.policy, self._random)
+        name = label(request.method, request.url, request.headers[KEY_HEADER])
+        attempts = Attempts(self.policy, self._random, name)
         while True:
             attempts.attempt()
             try:
                 response = attempt()
                 if not stream:
                     response.content  # noqa: B018 - read within the attempt
+            except NOT_RETRIED_ERRORS:
+                raise
             except RETRIED_ERRORS as exc:
-                wait = attempts.wait_before_next(None)
-                if wait is None or isinstance(exc, NOT_RETRIED_ERRORS):
+                if (wait := attempts.after_error(exc)) is None:
                     raise
-                log_retry(request.method, request.url, request.headers, attempts, wait, exc)
             else:
-                wait = _retry_wait(response, attempts)
-                if wait is None:
+                if (wait := _after(response, attempts)) is None:
                     return response
                 response.close()
-                log_retry(request.method, request.url, request.headers, attempts, wait, response)
             self._sleep(wait)

@@ -144,17 +144,49 @@ class Attempts:
     """One request's retries: how many were made, and the budget that is left.
 
     The budget is counted from the first attempt with :func:`time.monotonic`, so a clock
-    change cannot stretch it.
+    change cannot stretch it. *label* names the request in the log line of each retry.
     """
 
     policy: RetryPolicy
     random: Callable[[], float]
+    label: str
     made: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def attempt(self) -> None:
         """Count an attempt that is about to be sent."""
         self.made += 1
+
+    def after_error(self, error: BaseException) -> float | None:
+        """Seconds to wait after an attempt that raised a retryable *error*; None to raise it."""
+        return self._next(None, error)
+
+    def after_answer(
+        self, status: int, headers: Mapping[str, str], body: Callable[[], bytes], answer: object
+    ) -> float | None:
+        """Seconds to wait after an answer; None to return it. *body* is called only for a
+        409 that does not say ``Stripe-Should-Retry``, whose problem then decides."""
+        retry = retryable_status(status, should_retry_header(headers.get("Stripe-Should-Retry")))
+        if retry is None:
+            retry = wants_body(
+                headers.get("Content-Type"), headers.get("Content-Length")
+            ) and retryable_problem(body())
+        if not retry:
+            return None
+        return self._next(retry_after_seconds(headers.get("Retry-After")), answer)
+
+    def _next(self, retry_after: float | None, outcome: object) -> float | None:
+        wait = self.wait_before_next(retry_after)
+        if wait is not None:
+            logger.info(
+                "%s: attempt %d of %d got %s; next in %.2f s",
+                self.label,
+                self.made,
+                self.policy.max_attempts,
+                repr(outcome) if isinstance(outcome, BaseException) else outcome,
+                wait,
+            )
+        return wait
 
     def wait_before_next(self, retry_after: float | None) -> float | None:
         """Seconds to wait before the next attempt, or None when none is to be made.
@@ -181,22 +213,6 @@ class Attempts:
         return max(0.0, wait)
 
 
-def log_retry(
-    method: str | None,
-    url: object,
-    headers: Mapping[str, object],
-    attempts: Attempts,
-    wait: float,
-    outcome: object,
-) -> None:
-    """One line per retry: what failed, and when the next attempt goes."""
-    logger.info(
-        "%s %s (Idempotency-Key %s): attempt %d of %d got %s; next in %.2f s",
-        method,
-        url,
-        headers.get(KEY_HEADER),
-        attempts.made,
-        attempts.policy.max_attempts,
-        repr(outcome) if isinstance(outcome, BaseException) else outcome,
-        wait,
-    )
+def label(method: object, url: object, key: object) -> str:
+    """How a retry's log line names its request."""
+    return f"{method} {url} (Idempotency-Key {key})"

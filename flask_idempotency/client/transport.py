@@ -10,18 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import anyio
 import httpx
 
-from .policy import (
-    KEY_HEADER,
-    Attempts,
-    RetryPolicy,
-    log_retry,
-    new_key,
-    retry_after_seconds,
-    retryable_problem,
-    retryable_status,
-    should_retry_header,
-    wants_body,
-)
+from .policy import KEY_HEADER, Attempts, RetryPolicy, label, new_key
 
 #: errors after which the request may or may not have run: the same key makes a retry safe.
 #: Not retried: LocalProtocolError, UnsupportedProtocol, ProxyError (the next attempt fails
@@ -78,19 +67,11 @@ def _body(response: httpx.Response) -> bytes:
     ).read()
 
 
-def _retry_wait(response: httpx.Response, attempts: Attempts) -> float | None:
+def _after(response: httpx.Response, attempts: Attempts) -> float | None:
     """Seconds before the next attempt after *response*, or None to return it."""
-    headers = response.headers
-    retry = retryable_status(
-        response.status_code, should_retry_header(headers.get("Stripe-Should-Retry"))
+    return attempts.after_answer(
+        response.status_code, response.headers, lambda: _body(response), response
     )
-    if retry is None:
-        retry = wants_body(
-            headers.get("Content-Type"), headers.get("Content-Length")
-        ) and retryable_problem(_body(response))
-    if not retry:
-        return None
-    return attempts.wait_before_next(retry_after_seconds(headers.get("Retry-After")))
 
 
 class _Settings:
@@ -116,7 +97,8 @@ class _Settings:
             request.headers[KEY_HEADER] = new_key()
         if _streamed(request):
             return None
-        return Attempts(self.policy, self._random)
+        name = label(request.method, request.url, request.headers[KEY_HEADER])
+        return Attempts(self.policy, self._random, name)
 
 
 class IdempotentTransport(_Settings, httpx.BaseTransport):
@@ -183,15 +165,11 @@ class IdempotentTransport(_Settings, httpx.BaseTransport):
             try:
                 response = _in_memory(self.transport.handle_request(request))
             except RETRIED_ERRORS as exc:
-                wait = attempts.wait_before_next(None)
-                if wait is None:
+                if (wait := attempts.after_error(exc)) is None:
                     raise
-                log_retry(request.method, request.url, request.headers, attempts, wait, exc)
             else:
-                wait = _retry_wait(response, attempts)
-                if wait is None:
+                if (wait := _after(response, attempts)) is None:
                     return response
-                log_retry(request.method, request.url, request.headers, attempts, wait, response)
             self._sleep(wait)
 
     def close(self) -> None:
@@ -237,15 +215,11 @@ class AsyncIdempotentTransport(_Settings, httpx.AsyncBaseTransport):
                     await self.transport.handle_async_request(request)
                 )
             except RETRIED_ERRORS as exc:
-                wait = attempts.wait_before_next(None)
-                if wait is None:
+                if (wait := attempts.after_error(exc)) is None:
                     raise
-                log_retry(request.method, request.url, request.headers, attempts, wait, exc)
             else:
-                wait = _retry_wait(response, attempts)
-                if wait is None:
+                if (wait := _after(response, attempts)) is None:
                     return response
-                log_retry(request.method, request.url, request.headers, attempts, wait, response)
             await self._sleep(wait)
 
     async def aclose(self) -> None:
