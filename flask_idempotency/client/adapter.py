@@ -7,22 +7,15 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from requests import PreparedRequest, Response
+from requests import PreparedRequest, Response, exceptions
 from requests.adapters import DEFAULT_POOLBLOCK, DEFAULT_POOLSIZE, HTTPAdapter
-from requests.exceptions import (
-    ChunkedEncodingError,
-    ConnectionError,
-    ProxyError,
-    SSLError,
-    Timeout,
-)
 
 from .policy import KEY_HEADER, Attempts, RetryPolicy, label, new_key
 
 #: errors after which the request may or may not have run: the same key makes a retry safe
-RETRIED_ERRORS = (ConnectionError, Timeout, ChunkedEncodingError)
+RETRIED_ERRORS = (exceptions.ConnectionError, exceptions.Timeout, exceptions.ChunkedEncodingError)
 #: ConnectionErrors that the next attempt would meet alike
-NOT_RETRIED_ERRORS = (SSLError, ProxyError)
+NOT_RETRIED_ERRORS = (exceptions.SSLError, exceptions.ProxyError)
 
 
 def _replayable(request: PreparedRequest) -> bool:
