@@ -66,7 +66,8 @@ nitpicky = True
 nitpick_ignore_regex = [
     (
         r"py:.*",
-        r"(flask|werkzeug|psycopg|psycopg_pool|click|celery|blinker|prometheus_client)(\..*)?",
+        r"(flask|werkzeug|psycopg|psycopg_pool|click|celery|blinker|prometheus_client"
+        r"|httpx|requests|anyio)(\..*)?",
     ),
     (r"py:.*", r"(datetime|collections\.abc|typing|types|enum|contextlib|weakref)\..*"),
     (r"py:.*", r"(Flask|Response|Request|Connection|ConnectionPool|CollectorRegistry|Celery)"),

@@ -7,6 +7,9 @@ says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
 
 It also counts round trips (:attr:`TcpProxy.round_trips`): each time a client sends
 after its server last spoke (or first), so a pipeline of statements sent together is one.
+
+:meth:`TcpProxy.drop_answers` loses answers instead: the server has done its work and sent
+its answer, and the client sees its connection close without one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class TcpProxy:
         #: client sends that followed an answer (or came first), on every connection
         self.round_trips = 0
         self._client_spoke_last: dict[int, bool] = {}
+        self._answers_to_drop = 0
 
     @classmethod
     def to_database(cls, database_url: str) -> TcpProxy:
@@ -55,6 +59,21 @@ class TcpProxy:
 
     def thaw(self) -> None:
         self._flowing.set()
+
+    def drop_answers(self, count: int = 1) -> None:
+        """Lose the next *count* answers: on the first bytes a server sends after its client
+        spoke, the proxy forwards nothing and closes both sides of that connection."""
+        with self._lock:
+            self._answers_to_drop = count
+
+    def _drops(self, pair: int, from_client: bool) -> bool:
+        """Whether these bytes, just read, start an answer to be dropped."""
+        with self._lock:
+            starts_answer = not from_client and self._client_spoke_last.get(pair, False)
+            if starts_answer and self._answers_to_drop > 0:
+                self._answers_to_drop -= 1
+                return True
+            return False
 
     def stop(self) -> None:
         self._stopping.set()
@@ -122,7 +141,7 @@ class TcpProxy:
                 continue
             except OSError:
                 break
-            if not data:
+            if not data or self._drops(pair, from_client):
                 break
             self._count(pair, from_client)
             # Bytes read just before a freeze are held until the thaw too.

@@ -154,6 +154,22 @@ def test_no_import_cycle_inside_the_package() -> None:
     assert cycles == []
 
 
+def test_the_client_stands_apart() -> None:
+    """client/ imports nothing else of the package and nothing imports it: a caller runs none
+    of the server's code. Its package imports neither httpx nor requests (each class imports
+    its library when first asked for), and its policy no HTTP library at all."""
+    modules = _modules()
+    graph = _graph()
+    client = {name for name in graph if name.split(".")[0] == "client"}
+    assert {"client", "client.policy", "client.transport", "client.adapter"} <= client
+    outward = {name: sorted(graph[name] - client) for name in client if graph[name] - client}
+    inward = sorted(name for name in set(graph) - client if graph[name] & client)
+    assert outward == {} and inward == []
+    libraries = {"httpx", "requests", "anyio", "urllib3"}
+    for name in ("client", "client.policy"):
+        assert _imports(name, modules[name])[1] & libraries == set(), name
+
+
 def test_the_complexity_gate_is_on() -> None:
     ruff = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
     lint = ruff.get("lint", ruff)

@@ -43,6 +43,7 @@ RUNS: dict[str, list[str]] = {
     "browser-keys": ["howto/browser-keys.md"],
     "fingerprint": ["howto/fingerprint.md"],
     "client-answers": ["howto/client-answers.md"],
+    "calling": ["howto/calling.md"],
     "encryption": ["howto/encryption.md"],
     "console": ["howto/console.md"],
     "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
