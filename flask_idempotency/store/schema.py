@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -366,11 +366,21 @@ class Schema:
         return any(column not in state.columns for column, _ in UPGRADE_COLUMNS)
 
     def _add_columns(self, conn: psycopg.Connection[Any]) -> None:
+        self._add_columns_to(conn, self.table, UPGRADE_COLUMNS)
+
+    def _add_columns_to(
+        self,
+        conn: psycopg.Connection[Any],
+        table: sql.Identifier,
+        columns: Sequence[tuple[str, str]],
+    ) -> None:
+        """``ALTER TABLE table ADD COLUMN IF NOT EXISTS ...`` for each of *columns* (name,
+        definition), in one statement under a short lock timeout (:meth:`_alter`)."""
         parts = [
             sql.SQL(ADD_COLUMN).format(column=sql.Identifier(column)) + sql.SQL(definition)
-            for column, definition in UPGRADE_COLUMNS
+            for column, definition in columns
         ]
-        self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.table) + sql.SQL(", ").join(parts))
+        self._alter(conn, sql.SQL("ALTER TABLE {} ").format(table) + sql.SQL(", ").join(parts))
 
     def _missing_storage(self, state: SchemaState) -> dict[str, str]:
         """The autovacuum settings the table lacks (those it has are the operator's)."""
@@ -439,11 +449,7 @@ class Schema:
 
     def _add_job_columns(self, conn: psycopg.Connection[Any]) -> None:
         # Claims that stage jobs insert into this table: the same short lock timeout.
-        parts = [
-            sql.SQL(ADD_COLUMN).format(column=sql.Identifier(column)) + sql.SQL(definition)
-            for column, definition in UPGRADE_JOB_COLUMNS
-        ]
-        self._alter(conn, sql.SQL("ALTER TABLE {} ").format(self.jobs) + sql.SQL(", ").join(parts))
+        self._add_columns_to(conn, self.jobs, UPGRADE_JOB_COLUMNS)
 
     def _lacks_job_seq(self, state: SchemaState) -> bool:
         if self._regclass["jobs"] in state.missing:
