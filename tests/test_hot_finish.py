@@ -124,7 +124,8 @@ def test_a_completed_key_shows_no_lease(make_app: Callable[..., Flask], db: DB) 
     app = make_app()
     assert post(app.test_client(), "/payments", "leased").status_code == 201
     raw = db.execute(
-        "SELECT status, locked_until IS NOT NULL FROM idempotency_keys WHERE key = 'leased'"
+        "SELECT status, locked_until IS NOT NULL FROM idempotency_keys"
+        " WHERE tenant = '' AND key = 'leased'"
     ).fetchone()
     assert raw == ("completed", True)  # kept from the claim: the finish left it alone
     with app.app_context():
@@ -178,7 +179,8 @@ def test_an_unknown_key_is_due_for_the_reconciler(make_app: Callable[..., Flask]
     result = app.test_cli_runner().invoke(args=["idempotency-clean"])
     assert result.exit_code == 0, result.output
     row = db.execute(
-        "SELECT status, reconcile_due_at <= now() FROM idempotency_keys WHERE key = 'lost'"
+        "SELECT status, reconcile_due_at <= now() FROM idempotency_keys"
+        " WHERE tenant = '' AND key = 'lost'"
     ).fetchone()
     assert row == ("unknown", True)
     with app.app_context():
