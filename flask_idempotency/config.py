@@ -239,8 +239,11 @@ class RouteSettings:
     #: an unhandled exception in the view: store and replay the 500 (``"store"``),
     #: mark the key retryable (``"release"``) or ``unknown`` (``"unknown"``)
     on_exception: OnException = option("store", _choice("store", "release", "unknown"))
-    #: responses with these statuses are not stored: the key becomes retryable
-    release_statuses: frozenset[int] = option((429, 503), _statuses)
+    #: responses with these statuses are not stored (validation failures, as at Stripe):
+    #: a fresh key is left as if never used, so the next request under it, with any
+    #: body, runs as the first; a key taken over keeps its fingerprint and becomes
+    #: retryable
+    release_statuses: frozenset[int] = option((400, 422, 429, 503), _statuses)
     #: store unreachable: answer 503 (False), or run the view unprotected and log it
     #: (True)
     fail_open: bool = option(False, _bool)

@@ -24,7 +24,7 @@ from .cli import COMMANDS
 from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
 from .consumer import Serializer, run_once
 from .ending import after_request, record_exception, teardown_request
-from .errors import ConfigError, StoreError, StoreUnavailable
+from .errors import ConfigError, ProblemError, StoreError, StoreUnavailable, problem_response
 from .handler import begin
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
@@ -53,7 +53,7 @@ logger = logging.getLogger("flask_idempotency")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
-def _outage_answer(settings: RouteSettings, exc: StoreError) -> Exception:
+def _outage_answer(settings: RouteSettings, exc: StoreError) -> StoreError | ProblemError:
     """What a view that let a StoreError out answers: the store could not be reached
     (a phase's statements, SPEC §13): 503 with ``Retry-After`` (a release status: the
     key becomes retryable; the failed phase committed nothing); else the error itself."""
@@ -256,13 +256,22 @@ class Idempotency:
                         " that is intended)"
                     )
                 settings = state.route_settings(overrides)
-                early = begin(state, settings, transactional, self.load_tenant)
+                # The extension's problems are answered here, never raised into Flask's
+                # error handling, where an app's handler for 400 or 422 (or APIFlask's
+                # for every HTTPException) would answer them its own way (SPEC §18).
+                try:
+                    early = begin(state, settings, transactional, self.load_tenant)
+                except ProblemError as error:
+                    return problem_response(error)  # type: ignore[return-value]
                 if early is not None:
                     return early  # type: ignore[return-value]
                 try:
                     return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
                 except StoreError as exc:
-                    raise _outage_answer(settings, exc) from exc
+                    answer = _outage_answer(settings, exc)
+                    if isinstance(answer, ProblemError):
+                        return problem_response(answer)  # type: ignore[return-value]
+                    raise answer from exc
 
             setattr(wrapper, WRAPPER_MARK, True)
             # how the completer finds the route's options (functools.wraps carries it on)
