@@ -33,7 +33,6 @@ from .errors import (
 from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import Decision, KeyStatus, StoredResponse
-from .rerun import current_rerun
 from .state import get_state
 from .store.pool import is_driver_outage
 from .store.postgres import HeldTransaction
@@ -210,17 +209,19 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
 
 
 def _fresh(claim: ClaimedKey) -> bool:
-    """The attempt claimed a key nobody used before (or one expired), no background run
-    took it, and nothing committed under it (no phase): a release status may leave the
-    key as if never used. A key with a history (a retryable or abandoned key taken over)
-    keeps it instead: its fingerprint, its generation (the downstream keys an earlier
-    attempt may have passed on) and its phases; it becomes retryable, as by
-    ``release()``."""
+    """The attempt claimed a key nobody used before (or one expired), nothing committed
+    under it (no phase), and the route does not complete keys in the background: a
+    release status may leave the key as if never used. Otherwise the key becomes
+    retryable, as by ``release()``: a key with a history (a retryable or abandoned key
+    taken over) keeps its fingerprint, its generation (the downstream keys an earlier
+    attempt may have passed on) and its phases; a ``complete=True`` key keeps its stored
+    request, for ``flask idempotency-complete`` to finish (a 503 from a bank that is down:
+    the server accepted the work)."""
     outcome = claim.outcome
     return (
         outcome.decision is Decision.CLAIMED
         and outcome.recovery_point == "started"
-        and current_rerun() is None
+        and not claim.settings.complete
     )
 
 

@@ -95,6 +95,11 @@ def app(made: Callable[[Flask], Idempotency]) -> Flask:
             pass
         return answer()
 
+    @app.post("/complete")
+    @idempotency.idempotent(complete=True)
+    def complete() -> tuple[dict[str, Any], int]:
+        return answer()
+
     return app
 
 
@@ -157,6 +162,16 @@ def test_a_committed_phase_keeps_the_key(app: Flask, key: str, db: DB) -> None:
     row = key_row(db, key)
     assert row is not None and row[0] == "retryable"  # its phase committed: it was used
     problem(post(client, "/phased", key, {"amount": 1}), 422, "key-reused")
+
+
+def test_a_complete_route_keeps_the_key_for_the_completer(app: Flask, key: str, db: DB) -> None:
+    """On a ``complete=True`` route the server accepted the work: a release status keeps
+    the key retryable with its stored request, for ``flask idempotency-complete``."""
+    client = app.test_client()
+    assert post(client, "/complete", key, {"amount": 5}, X_Answer="503").status_code == 503
+    row = key_row(db, key)
+    assert row is not None and row[:2] == ("retryable", 1)
+    problem(post(client, "/complete", key, {"amount": 6}), 422, "key-reused")
 
 
 def test_a_fresh_key_gets_a_fresh_downstream_key(app: Flask, key: str) -> None:
