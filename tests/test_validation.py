@@ -7,6 +7,7 @@ extension's problems stay ``application/problem+json`` whatever error handlers t
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from apiflask import APIFlask
 from flask import Flask, request
 from flask_smorest import Api, Blueprint
-from helpers import post, problem
+from helpers import post, problem, wait_until
 from psycopg.rows import TupleRow
 from webargs.flaskparser import use_args
 from werkzeug.exceptions import HTTPException
@@ -180,6 +181,51 @@ def test_a_fresh_key_gets_a_fresh_downstream_key(app: Flask, key: str) -> None:
     good = post(client, "/payments", key, {"amount": 1})
     assert bad.json is not None and good.json is not None
     assert bad.json["charge"] != good.json["charge"]  # a new generation: never used
+
+
+def test_a_waiting_twin_runs_as_the_first_once_the_key_is_left_unused(
+    made: Callable[[Flask], Idempotency], key: str, db: DB
+) -> None:
+    """A twin waiting for the key (``wait``) is woken when the first request's 422 deletes
+    it, and claims it afresh: it runs as the first (attempt 1), no 409. (A twin with
+    another body, sent while the first runs, is answered 422 ``key-reused`` at once: the
+    key is bound while its attempt runs; its retry after the first's 422 runs.)"""
+    app = Flask("twins")
+    idempotency = made(app)
+    entered, proceed = threading.Event(), threading.Event()
+
+    @app.post("/slow")
+    @idempotency.idempotent(wait=10)
+    def slow() -> tuple[dict[str, Any], int]:
+        if request.headers.get("X-Refuse"):  # a check the body alone does not decide
+            entered.set()
+            proceed.wait(10)
+            return {"error": "refused"}, 422
+        return {"run": str(uuid.uuid4())}, 201
+
+    answers: dict[str, Any] = {}
+
+    def send(name: str, **headers: str) -> None:
+        answers[name] = post(app.test_client(), "/slow", key, {"amount": 7}, **headers)
+
+    first = threading.Thread(target=send, args=("first",), kwargs={"X_Refuse": "1"})
+    first.start()
+    try:
+        assert entered.wait(10)
+        twin = threading.Thread(target=send, args=("twin",))
+        twin.start()
+        waiter = app.extensions["idempotency"].waiter
+        wait_until(lambda: bool(waiter._events))  # the twin waits for the key
+        proceed.set()
+        twin.join(15)
+    finally:
+        proceed.set()
+        first.join(15)
+    assert answers["first"].status_code == 422
+    assert answers["twin"].status_code == 201
+    assert "Idempotent-Replayed" not in answers["twin"].headers
+    row = key_row(db, key)
+    assert row is not None and row[:2] == ("completed", 1)
 
 
 # -- transactional views --------------------------------------------------------------------
