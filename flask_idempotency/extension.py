@@ -20,6 +20,7 @@ from . import settling, tracing
 from .asynchronous import register_status_view
 from .background.dispatch import DispatchFunction
 from .background.reconciler import RETRYABLE, ReconcileFunction
+from .claim import peek_claim
 from .cli import COMMANDS
 from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
 from .consumer import Serializer, run_once
@@ -55,10 +56,15 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 def _outage_answer(settings: RouteSettings, exc: StoreError) -> StoreError | ProblemError:
     """What a view that let a StoreError out answers: the store could not be reached
-    (a phase's statements, SPEC §13): 503 with ``Retry-After`` (a release status: the
-    key becomes retryable; the failed phase committed nothing); else the error itself."""
+    (a phase's statements, SPEC §13): 503 with ``Retry-After``, the attempt released (the
+    key becomes retryable, keeping its fingerprint and downstream keys: the view may have
+    done work outside the store before the failed phase, which committed nothing); else
+    the error itself."""
     if not exc.outage:
         return exc
+    claim = peek_claim()
+    if claim is not None:
+        claim.release()  # not a release status of the view's own: the key was used
     return settings.problem(
         StoreUnavailable,
         "The idempotency store became unavailable while the request ran; what it had not"

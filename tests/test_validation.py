@@ -23,7 +23,7 @@ from psycopg.rows import TupleRow
 from webargs.flaskparser import use_args
 from werkzeug.exceptions import HTTPException
 
-from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency import Idempotency, StoreError, current_idempotency
 
 DB = psycopg.Connection[TupleRow]
 PROBLEM = "application/problem+json"
@@ -95,6 +95,12 @@ def app(made: Callable[[Flask], Idempotency]) -> Flask:
         with current_idempotency.phase("reserved"):
             pass
         return answer()
+
+    @app.post("/outage")
+    @idempotency.idempotent
+    def outage() -> tuple[dict[str, Any], int]:
+        current_idempotency.downstream_key("charge")  # passed on before the store failed
+        raise StoreError("the store went away under a phase")
 
     @app.post("/complete")
     @idempotency.idempotent(complete=True)
@@ -173,6 +179,16 @@ def test_a_complete_route_keeps_the_key_for_the_completer(app: Flask, key: str, 
     row = key_row(db, key)
     assert row is not None and row[:2] == ("retryable", 1)
     problem(post(client, "/complete", key, {"amount": 6}), 422, "key-reused")
+
+
+def test_the_extensions_own_503_keeps_the_key(app: Flask, key: str, db: DB) -> None:
+    """A 503 the extension answers for a store that failed under the view is not the view
+    saying nothing happened: the key is released, keeping its fingerprint and generation."""
+    client = app.test_client()
+    problem(post(client, "/outage", key, {"amount": 5}), 503, "store-unavailable")
+    row = key_row(db, key)
+    assert row is not None and row[:2] == ("retryable", 1)
+    problem(post(client, "/outage", key, {"amount": 6}), 422, "key-reused")
 
 
 def test_a_fresh_key_gets_a_fresh_downstream_key(app: Flask, key: str) -> None:
