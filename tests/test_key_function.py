@@ -71,6 +71,8 @@ def test_the_function_supplies_the_key_and_the_header_is_ignored(app: Flask) -> 
     # another header key, the same delivery: a replay
     again = client.post("/hooks", json={}, headers={"X-Delivery": key, "Idempotency-Key": "b"})
     assert again.data == first.data and again.headers["Idempotent-Replayed"] == "true"
+    reused = client.post("/hooks", json={"other": 1}, headers={"X-Delivery": key})
+    assert problem(reused, 422, "key-reused")["detail"].startswith("This key was already used")
 
 
 def test_none_is_a_missing_key(app: Flask) -> None:
