@@ -238,7 +238,11 @@ class Idempotency:
         options, ``@idempotency.idempotent(ttl=timedelta(days=7), required=False)``.
 
         Each option means what the config key of the same name means
-        (``ttl`` is ``IDEMPOTENCY_TTL``); options are checked here, at import time.
+        (``ttl`` is ``IDEMPOTENCY_TTL``); options are checked here, at import time. Among
+        them: ``release_statuses=[...]``, the view's answers that are not stored (a fresh
+        key is left as if never used: validation failures), and ``key=fn``, which takes
+        the key from the request (``fn(request) -> str | None``, a webhook's delivery id)
+        instead of the header.
 
         :param transactional: for views whose work is local to PostgreSQL: the claim's
             connection stays pinned for the whole view as
