@@ -97,7 +97,8 @@ def answer(
             outcome.attempt,
         )
     if row.problem is not None:
-        detail = row.detail.format(header=settings.header)
+        # a route with key= names no header: its key comes from the request itself
+        detail = row.detail.format(header="key" if settings.key else settings.header)
         wait = None
         if outcome.decision is Decision.IN_PROGRESS:
             wait = outcome.retry_after(settings.retry_after, RETRY_AFTER_CAP)

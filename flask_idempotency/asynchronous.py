@@ -28,6 +28,7 @@ from .errors import (
     StoreError,
     StoreRefused,
     StoreUnavailable,
+    problem_response,
 )
 from .jobs import StagedJob, staged_job
 from .keys import load_tenant, parse_key
@@ -117,7 +118,15 @@ def register_status_view(app: Flask, path: str) -> None:
 
 def key_status(key: str) -> Response:
     """The view at a key's ``Location``: 202 while its work runs (or waits to run
-    again), then the stored response; 404 for a key this tenant does not have."""
+    again), then the stored response; 404 for a key this tenant does not have. Its
+    problems are answered here, whatever error handlers the app has."""
+    try:
+        return _key_status(key)
+    except ProblemError as error:
+        return problem_response(error)
+
+
+def _key_status(key: str) -> Response:
     state = get_state()
     settings = state.settings.route
     try:

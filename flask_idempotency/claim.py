@@ -239,3 +239,14 @@ def finish_attempt(
         commit=commit,
     )
     return claim.expires_at is not None
+
+
+def forget_attempt(claim: ClaimedKey) -> bool:
+    """End *claim*'s attempt, a fresh claim, by deleting its key: as if never used (a
+    release status). False if fenced (a newer attempt owns the key).
+
+    :raises StoreError: the store failed.
+    """
+    return claim.store.forget(
+        claim.tenant, claim.key, claim.outcome, notify=claim.settings.wait > 0
+    )

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 from .encryption import check_encryptor
 from .errors import DEFAULT_PROBLEM_TYPE_BASE, ConfigError, ProblemError
 from .fingerprint import Exclusions, fingerprint_function, parse_exclusions
+from .keys import key_function
 
 PREFIX = "IDEMPOTENCY_"
 
@@ -239,8 +240,11 @@ class RouteSettings:
     #: an unhandled exception in the view: store and replay the 500 (``"store"``),
     #: mark the key retryable (``"release"``) or ``unknown`` (``"unknown"``)
     on_exception: OnException = option("store", _choice("store", "release", "unknown"))
-    #: responses with these statuses are not stored: the key becomes retryable
-    release_statuses: frozenset[int] = option((429, 503), _statuses)
+    #: responses with these statuses are not stored (validation failures, as at Stripe):
+    #: a fresh key is left as if never used, so the next request under it, with any
+    #: body, runs as the first; a key taken over keeps its fingerprint and becomes
+    #: retryable
+    release_statuses: frozenset[int] = option((400, 422, 429, 503), _statuses)
     #: store unreachable: answer 503 (False), or run the view unprotected and log it
     #: (True)
     fail_open: bool = option(False, _bool)
@@ -277,6 +281,11 @@ class RouteSettings:
     #: ``fn(request) -> bytes | str``: replaces the body part of the fingerprint (the
     #: method and the path with its query still count)
     fingerprint: Callable[[Any], bytes | str] | None = option(None, _parsed(fingerprint_function))
+    #: ``fn(request) -> str | None``: the request's key, instead of the header (which
+    #: the route then ignores): a body field, a webhook's delivery id. ``None`` is a
+    #: missing key; the key rules (1-255 visible ASCII) apply to the string. Background
+    #: runs of the key never call it (the key is stored with the claim)
+    key: Callable[[Any], str | None] | None = option(None, _parsed(key_function))
     #: send ``Idempotency-Key-Expires`` (the key's ``expires_at``) with the first
     #: answer that is stored and with every replay
     expires_header: bool = option(False, _bool)

@@ -21,18 +21,18 @@ from werkzeug.http import http_date
 
 from . import signals, tracing
 from .answers import EXPIRES_HEADER
-from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim
+from .claim import ClaimedKey, finish_attempt, forget_attempt, peek_claim, pop_claim
 from .config import RouteSettings
 from .errors import (
     EncryptionError,
-    ProblemError,
     ResponseNotStorable,
     StoreError,
     StoreUnavailable,
+    problem_response,
 )
 from .jobs import StagedJob
 from .keys import tenant_tag
-from .model import KeyStatus, StoredResponse
+from .model import Decision, KeyStatus, StoredResponse
 from .state import get_state
 from .store.pool import is_driver_outage
 from .store.postgres import HeldTransaction
@@ -57,6 +57,9 @@ class Ending:
     refusal: str | None = None
     #: the jobs staged outside phases, committed with the stored response
     jobs: tuple[StagedJob, ...] = ()
+    #: a release status ended a fresh claim: the key is left as if never used (its row
+    #: deleted; a transactional view's claim rolls back with its writes)
+    unused: bool = False
 
 
 # -- the hooks -------------------------------------------------------------------------
@@ -125,7 +128,7 @@ def _apply(
         # connection went silent may have kept everything): the client must not be told
         # the work was done, nor get a bare 500 for a database that went away under the
         # view. Either way the retry is right: a replay, or the view's one run.
-        return _problem_response(
+        return problem_response(
             claim.settings.problem(
                 StoreUnavailable,
                 "The result could not be confirmed as committed. Retry the request with"
@@ -156,7 +159,7 @@ def _commit_orm(claim: ClaimedKey, response: Response) -> Response:
 def _refused(claim: ClaimedKey, ending: Ending, response: Response) -> Response:
     """*response*, or the problem the client gets when it could not be stored."""
     if ending.refusal is not None:
-        return _problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
+        return problem_response(claim.settings.problem(ResponseNotStorable, ending.refusal))
     if ending.stored is not None and claim.expires_at is not None and claim.settings.expires_header:
         response.headers[EXPIRES_HEADER] = http_date(claim.expires_at)
     return response
@@ -186,7 +189,7 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
     if claim.released:
         return Ending(KeyStatus.RETRYABLE, "released by the view")
     if response.status_code in settings.release_statuses:
-        return Ending(KeyStatus.RETRYABLE, f"status {response.status_code}")
+        return Ending(KeyStatus.RETRYABLE, f"status {response.status_code}", unused=_fresh(claim))
     exception = claim.exception
     if exception is not None and (transactional or settings.on_exception != "store"):
         unknown = settings.on_exception == "unknown" and not transactional
@@ -203,6 +206,23 @@ def ending_of(claim: ClaimedKey, response: Response) -> Ending:
     # outlives the request").
     jobs = tuple(claim.jobs) if exception is None else ()
     return Ending(KeyStatus.COMPLETED, stored=stored, jobs=jobs)
+
+
+def _fresh(claim: ClaimedKey) -> bool:
+    """The attempt claimed a key nobody used before (or one expired), nothing committed
+    under it (no phase), and the route does not complete keys in the background: a
+    release status may leave the key as if never used. Otherwise the key becomes
+    retryable, as by ``release()``: a key with a history (a retryable or abandoned key
+    taken over) keeps its fingerprint, its generation (the downstream keys an earlier
+    attempt may have passed on) and its phases; a ``complete=True`` key keeps its stored
+    request, for ``flask idempotency-complete`` to finish (a 503 from a bank that is down:
+    the server accepted the work)."""
+    outcome = claim.outcome
+    return (
+        outcome.decision is Decision.CLAIMED
+        and outcome.recovery_point == "started"
+        and not claim.settings.complete
+    )
 
 
 class NotStorable(ValueError):
@@ -330,11 +350,13 @@ def _end_attempt(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> 
     ``IDEMPOTENCY_ON_ABANDONED`` decides.
     """
     try:
-        finish_attempt(claim, ending.status, ending.stored, jobs=ending.jobs)
+        if ending.unused:
+            owned = forget_attempt(claim)
+        else:
+            owned = finish_attempt(claim, ending.status, ending.stored, jobs=ending.jobs)
     except StoreError as exc:
         _report_store_failure(claim, exc, span)
         return
-    owned = claim.expires_at is not None
     if not owned:
         logger.warning(
             "decision=fenced %s: a newer attempt owns the key; nothing was written",
@@ -397,7 +419,7 @@ def _unsealable(
     else:
         _end_attempt(claim, Ending(KeyStatus.UNKNOWN, "encryption failed"), span)
         detail = "The response could not be encrypted for storage; its outcome is unknown."
-    return _problem_response(claim.settings.problem(ResponseNotStorable, detail))
+    return problem_response(claim.settings.problem(ResponseNotStorable, detail))
 
 
 # -- telling about it --------------------------------------------------------------------
@@ -435,7 +457,7 @@ def _report(
         if signals.stored.receivers:
             signals.stored.send(app, **who, status=ending.stored.status, stored=stored)
         return
-    status = "rolled_back" if transactional else ending.status.value
+    status = "rolled_back" if transactional else "unused" if ending.unused else ending.status.value
     span.decided(status, claim.attempt)
     level = logging.WARNING if status == KeyStatus.UNKNOWN.value else logging.INFO
     logger.log(level, "decision=%s %s reason=%s", status, _fields(claim), ending.reason)
@@ -453,10 +475,3 @@ def _report_store_failure(claim: ClaimedKey, exc: StoreError, span: tracing.Span
 
 def _fields(claim: ClaimedKey) -> str:
     return f"tenant={tenant_tag(claim.tenant)} key={claim.key!r} attempt={claim.attempt!r}"
-
-
-def _problem_response(error: ProblemError) -> Response:
-    response: Response = current_app.response_class(
-        error.get_body(), error.code, error.get_headers()
-    )
-    return response

@@ -1,8 +1,9 @@
 """The exceptions of flask-idempotency, under one root: :class:`IdempotencyError`.
 
-Errors a client causes subclass werkzeug's HTTP exceptions, so Flask turns them
-into RFC 9457 ``application/problem+json`` responses, one ``type`` per situation, and an app may
-still register its own error handler for them.
+Errors a client causes subclass werkzeug's HTTP exceptions, answered as RFC 9457
+``application/problem+json`` responses, one ``type`` per situation. The extension makes
+those responses itself (:func:`problem_response`), so an app's error handlers (for 400,
+422 or every ``HTTPException``) never turn them into something else.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import has_request_context, request
+from flask import Response, current_app, has_request_context, request
 from werkzeug.exceptions import (
     BadRequest,
     Conflict,
@@ -140,6 +141,16 @@ class ProblemError(IdempotencyError, HTTPException):
         if self.should_retry is not None:
             headers.append(("Stripe-Should-Retry", "true" if self.should_retry else "false"))
         return headers
+
+
+def problem_response(error: ProblemError) -> Response:
+    """*error* as the response the client gets, made here rather than by Flask's error
+    handling: the extension's answers stay its own whatever error handlers the app
+    registers (an app's handler for 422 or 400, APIFlask's JSON errors; SPEC §18)."""
+    response: Response = current_app.response_class(
+        error.get_body(), error.code, error.get_headers()
+    )
+    return response
 
 
 class MissingKey(ProblemError, BadRequest):

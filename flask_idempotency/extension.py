@@ -20,11 +20,12 @@ from . import settling, tracing
 from .asynchronous import register_status_view
 from .background.dispatch import DispatchFunction
 from .background.reconciler import RETRYABLE, ReconcileFunction
+from .claim import peek_claim
 from .cli import COMMANDS
 from .config import DEFAULTS, RouteSettings, convert_option, load_settings, unknown_keys
 from .consumer import Serializer, run_once
 from .ending import after_request, record_exception, teardown_request
-from .errors import ConfigError, StoreError, StoreUnavailable
+from .errors import ConfigError, ProblemError, StoreError, StoreUnavailable, problem_response
 from .handler import begin
 from .rerun import ROUTE_ATTRIBUTE
 from .state import EXTENSION_NAME, IdempotencyState, get_state
@@ -53,12 +54,17 @@ logger = logging.getLogger("flask_idempotency")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
-def _outage_answer(settings: RouteSettings, exc: StoreError) -> Exception:
+def _outage_answer(settings: RouteSettings, exc: StoreError) -> StoreError | ProblemError:
     """What a view that let a StoreError out answers: the store could not be reached
-    (a phase's statements, SPEC §13): 503 with ``Retry-After`` (a release status: the
-    key becomes retryable; the failed phase committed nothing); else the error itself."""
+    (a phase's statements, SPEC §13): 503 with ``Retry-After``, the attempt released (the
+    key becomes retryable, keeping its fingerprint and downstream keys: the view may have
+    done work outside the store before the failed phase, which committed nothing); else
+    the error itself."""
     if not exc.outage:
         return exc
+    claim = peek_claim()
+    if claim is not None:
+        claim.release()  # not a release status of the view's own: the key was used
     return settings.problem(
         StoreUnavailable,
         "The idempotency store became unavailable while the request ran; what it had not"
@@ -232,7 +238,11 @@ class Idempotency:
         options, ``@idempotency.idempotent(ttl=timedelta(days=7), required=False)``.
 
         Each option means what the config key of the same name means
-        (``ttl`` is ``IDEMPOTENCY_TTL``); options are checked here, at import time.
+        (``ttl`` is ``IDEMPOTENCY_TTL``); options are checked here, at import time. Among
+        them: ``release_statuses=[...]``, the view's answers that are not stored (a fresh
+        key is left as if never used: validation failures), and ``key=fn``, which takes
+        the key from the request (``fn(request) -> str | None``, a webhook's delivery id)
+        instead of the header.
 
         :param transactional: for views whose work is local to PostgreSQL: the claim's
             connection stays pinned for the whole view as
@@ -256,13 +266,22 @@ class Idempotency:
                         " that is intended)"
                     )
                 settings = state.route_settings(overrides)
-                early = begin(state, settings, transactional, self.load_tenant)
+                # The extension's problems are answered here, never raised into Flask's
+                # error handling, where an app's handler for 400 or 422 (or APIFlask's
+                # for every HTTPException) would answer them its own way (SPEC §18).
+                try:
+                    early = begin(state, settings, transactional, self.load_tenant)
+                except ProblemError as error:
+                    return problem_response(error)  # type: ignore[return-value]
                 if early is not None:
                     return early  # type: ignore[return-value]
                 try:
                     return current_app.ensure_sync(view)(*args, **kwargs)  # type: ignore[no-any-return]
                 except StoreError as exc:
-                    raise _outage_answer(settings, exc) from exc
+                    answer = _outage_answer(settings, exc)
+                    if isinstance(answer, ProblemError):
+                        return problem_response(answer)  # type: ignore[return-value]
+                    raise answer from exc
 
             setattr(wrapper, WRAPPER_MARK, True)
             # how the completer finds the route's options (functools.wraps carries it on)

@@ -25,6 +25,7 @@ from .asynchronous import answer_asynchronous
 from .claim import ClaimedKey, set_claim
 from .config import RouteSettings
 from .errors import (
+    ConfigError,
     FingerprintFailed,
     MissingKey,
     ProblemError,
@@ -35,7 +36,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .fingerprint import custom_fingerprint, fingerprint
-from .keys import load_tenant, lock_id, parse_key, tenant_tag
+from .keys import check_key, load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .rerun import current_rerun
 from .state import IdempotencyState
@@ -83,7 +84,8 @@ def begin(
     :raises ProblemError: the answer is an error (400, 409, 422, 503, ...).
     """
     rerun = current_rerun()
-    identity = identify(settings, tenant_loader)
+    # a rerun's key is the stored one: a route's key= function is never asked again
+    identity = identify(settings, tenant_loader, rerun.key if rerun is not None else None)
     if rerun is not None:  # the completer runs a stored request: it claims its way
         return rerun.begin(state, settings, transactional, identity)
     if identity is None:
@@ -122,24 +124,26 @@ def begin(
 # -- identify ------------------------------------------------------------------------
 
 
-def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Identity | None:
-    """The request's key, tenant and fingerprint; ``None`` when it has no key and the
-    route does not require one.
+def identify(
+    settings: RouteSettings, tenant_loader: TenantLoader | None, stored_key: str | None = None
+) -> Identity | None:
+    """The request's key (*stored_key*, a background run's, else the header's or the
+    route's ``key=`` function's), tenant and fingerprint; ``None`` when it has no key and
+    the route does not require one.
 
     :raises ProblemError: the key is missing (and required) or invalid, or the body is
         too large.
+    :raises ConfigError: the route's ``key=`` function returned neither text nor None.
     """
-    values = request.headers.getlist(settings.header)
-    if not values:
-        if settings.required:
-            raise settings.problem(
-                MissingKey, f"This endpoint requires an {settings.header} header."
-            )
-        return None
     try:
-        key = parse_key(values, settings.header)
+        key = stored_key if stored_key is not None else _key(settings)
     except ProblemError as exc:
         raise settings.problem(type(exc), exc.detail) from None
+    if key is None:
+        if settings.required:
+            where = "an idempotency key" if settings.key else f"an {settings.header} header"
+            raise settings.problem(MissingKey, f"This endpoint requires {where}.")
+        return None
     body = _request_body(settings)
     tenant = _tenant(settings, tenant_loader)
     path = request.path
@@ -147,6 +151,33 @@ def identify(settings: RouteSettings, tenant_loader: TenantLoader | None) -> Ide
         path += "?" + request.query_string.decode("latin-1")
     stored = capture(settings, body) if settings.complete else None
     return Identity(tenant, key, _fingerprint(settings, path, body), stored)
+
+
+def _key(settings: RouteSettings) -> str | None:
+    """The request's key: the route's ``key=`` function's (the header is then ignored),
+    else the header's; None if it has none.
+
+    :raises InvalidKey: the key breaks the key rules.
+    :raises ConfigError: the function returned neither text nor None (the app's bug: a
+        500, logged).
+    """
+    if settings.key is None:
+        values = request.headers.getlist(settings.header)
+        return parse_key(values, settings.header) if values else None
+    key = settings.key(request._get_current_object())  # type: ignore[attr-defined]
+    if key is None or isinstance(key, str):
+        return None if key is None else check_key(key, "The request's idempotency key")
+    name = getattr(settings.key, "__qualname__", repr(settings.key))
+    logger.error(
+        "decision=key_failed path=%r: %s returned %s, not str or None",
+        request.path,
+        name,
+        type(key).__name__,
+    )
+    raise ConfigError(
+        f"the route's key function {name} returned {key!r:.80} ({type(key).__name__}): it"
+        " must return the key as a str, or None when the request has none."
+    )
 
 
 def _fingerprint(settings: RouteSettings, path: str, body: bytes) -> bytes:

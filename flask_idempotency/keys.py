@@ -1,10 +1,12 @@
-"""Reading the ``Idempotency-Key`` header, and the advisory lock id of a key."""
+"""Reading the ``Idempotency-Key`` header (or checking what a route's ``key=`` function
+returned), the tenant, and the advisory lock id of a key."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import xxhash
 from http_sfv.item import Item
@@ -43,12 +45,28 @@ def parse_key(values: Sequence[str], header: str) -> str:
         )
     else:
         key = raw
+    return check_key(key, header)
+
+
+def check_key(key: str, name: str) -> str:
+    """Return *key* if it is 1-255 visible ASCII characters (the header's value once
+    unquoted, or what a route's ``key=`` function returned).
+
+    :raises InvalidKey: it is not; the detail names it as *name*.
+    """
     if not 1 <= len(key) <= MAX_KEY_LENGTH or not _VISIBLE_ASCII.fullmatch(key):
         raise InvalidKey(
-            f"{header} must be 1-{MAX_KEY_LENGTH} visible ASCII characters "
+            f"{name} must be 1-{MAX_KEY_LENGTH} visible ASCII characters "
             "(no spaces or control characters)."
         )
     return key
+
+
+def key_function(value: Any) -> Any:
+    """Check ``key=``: None, or a function ``fn(request) -> str | None``."""
+    if value is not None and not callable(value):
+        raise ValueError(f"must be a function fn(request) -> str | None, got {value!r}")
+    return value
 
 
 def _unquote(raw: str, header: str) -> str:

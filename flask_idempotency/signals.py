@@ -44,9 +44,10 @@ stored = _signals.signal("idempotency-stored")
 
 #: The attempt ended without a stored response. Kwargs: ``tenant``, ``key``,
 #: ``attempt``, ``status``, ``reason``. ``status`` is the key's new status
-#: (``"retryable"``, or ``"unknown"`` per ``IDEMPOTENCY_ON_EXCEPTION``), or
-#: ``"rolled_back"`` for a ``transactional=True`` view whose transaction rolled back,
-#: so that the key is as if never used.
+#: (``"retryable"``, or ``"unknown"`` per ``IDEMPOTENCY_ON_EXCEPTION``), ``"unused"``
+#: for a fresh key whose row was deleted (a status in ``IDEMPOTENCY_RELEASE_STATUSES``:
+#: as if never used), or ``"rolled_back"`` for a ``transactional=True`` view whose
+#: transaction rolled back, so that the key is as if never used.
 released = _signals.signal("idempotency-released")
 
 #: The store could not be reached. Kwargs: ``tenant``, ``key``, ``error``,

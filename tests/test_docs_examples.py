@@ -50,6 +50,8 @@ RUNS: dict[str, list[str]] = {
     "views": ["howto/views.md"],
     "auth": ["howto/auth.md"],
     "flask-sqlalchemy": ["howto/flask-sqlalchemy.md"],
+    "validation": ["howto/validation.md"],
+    "webhooks": ["howto/webhooks.md"],
 }
 #: pages that are not part of the site (drafts) and are not checked
 NOT_PAGES: set[str] = set()

@@ -30,23 +30,40 @@ def key_row(db: DB, key: str, tenant: str = "") -> tuple[Any, ...]:
     return tuple(row)
 
 
-@pytest.mark.parametrize("status", [429, 503])
-def test_release_statuses_are_not_stored(app: Flask, key: str, db: DB, status: int) -> None:
+def key_exists(db: DB, key: str, tenant: str = "") -> bool:
+    row = db.execute(
+        "SELECT 1 FROM idempotency_keys WHERE tenant = %s AND key = %s", (tenant, key)
+    ).fetchone()
+    return row is not None
+
+
+@pytest.mark.parametrize("status", [400, 422, 429, 503])
+def test_release_statuses_leave_the_key_unused(app: Flask, key: str, db: DB, status: int) -> None:
     client = app.test_client()
     first = post(client, f"/status/{status}", key)
     assert first.status_code == status
-    assert key_row(db, key)[0] == "retryable"
+    assert not key_exists(db, key)  # as if never used: nothing stored, nothing bound
     second = post(client, f"/status/{status}", key)
     assert second.status_code == status and second.data != first.data
     assert "Idempotent-Replayed" not in second.headers
     assert executions(db, key) == 2
-    assert key_row(db, key)[1] == 2  # the retry was attempt 2
+    assert not key_exists(db, key)
 
 
 def test_client_errors_of_the_view_are_stored(app: Flask, key: str, db: DB) -> None:
     client = app.test_client()
+    first = post(client, "/status/404", key)
+    assert post(client, "/status/404", key).data == first.data
+    assert executions(db, key) == 1
+
+
+def test_a_route_chooses_its_release_statuses(
+    make_app: Callable[..., Flask], key: str, db: DB
+) -> None:
+    app = make_app(IDEMPOTENCY_RELEASE_STATUSES=[503])
+    client = app.test_client()
     first = post(client, "/status/400", key)
-    assert post(client, "/status/400", key).data == first.data
+    assert post(client, "/status/400", key).data == first.data  # stored: not released here
     assert executions(db, key) == 1
 
 

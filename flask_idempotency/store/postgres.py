@@ -41,6 +41,7 @@ from .statements_request import (
     DEFER,
     FINISH,
     FINISHED,
+    FORGET,
     KEY_STATUS,
     STAGE_JOBS,
 )
@@ -101,6 +102,11 @@ class PostgresStore(Execution):
         self._advances = {
             staging: Statement(self.render(_staging(ADVANCE) if staging else ADVANCE))
             for staging in (False, True)
+        }
+        #: the forgetting of a fresh claim, by "notify waiting twins?"
+        self._forgets = {
+            wake: Statement(self.render(FORGET, notify=notify if wake else sql.SQL("1")))
+            for wake in (False, True)
         }
         self._notify = Statement(sql.SQL("SELECT {}").format(notify).as_string())
         self._defers = {
@@ -215,6 +221,20 @@ class PostgresStore(Execution):
             _, row = self.run(self._finished, params)
             return None if row is None else typing.cast(datetime, row[0])
         return None
+
+    def forget(self, tenant: str, key: str, outcome: ClaimOutcome, *, notify: bool = False) -> bool:
+        """Delete the key claimed afresh by *outcome*, as if it had never been used (a
+        view's answer with a release status); False if fenced (a newer attempt owns the
+        key, or a phase committed under it)."""
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "attempt": outcome.attempt,
+            "generation": outcome.generation,
+            "lock_id": lock_id(tenant, key),
+        }
+        rowcount, _ = self.run(self._forgets[notify], params)
+        return rowcount == 1
 
     def notify(self, tenant: str, key: str) -> None:
         """Wake the requests waiting for *key* (its attempt ended without a NOTIFY)."""

@@ -133,6 +133,20 @@ WHERE tenant = %(tenant)s AND key = %(key)s
 RETURNING {notify}, expires_at
 """
 
+# A view's answer with a release status (IDEMPOTENCY_RELEASE_STATUSES) to a fresh
+# claim: the key is left as if never used (SPEC §18), its row deleted, so the next
+# request under it, with any body, runs as the first and binds its own fingerprint and
+# generation. Fenced like the finish, and only while nothing committed under the
+# attempt (no phase: recovery_point 'started'); a key with a history (a takeover) keeps
+# its row (ending.ending_of).
+FORGET = """
+DELETE FROM {table}
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s
+  AND status = 'processing' AND recovery_point = 'started'
+RETURNING {notify}
+"""
+
 # Whether this attempt's finish committed as completed: a finish sent again after its
 # connection died finds its own answer here, where a zombie attempt finds nothing.
 FINISHED = """
