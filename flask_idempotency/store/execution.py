@@ -389,12 +389,16 @@ class Execution:
         prepare: bool | None,
         timeout: float | None = None,
     ) -> _T:
-        """Run *query* once; with *timeout*, the wait for a connection and the statement
-        together take at most that much longer than a moment."""
+        """Run *query* once; with *timeout* (a try after a lost connection), the statement
+        takes at most that much longer than a moment, and the wait for a connection at
+        most ``IDEMPOTENCY_POOL_TIMEOUT`` of it: a database that is down (the pool cannot
+        connect) answers as soon as a first try would, one that restarts is waited for."""
         seconds = self.settings.statement_timeout
+        wait = timeout
         if timeout is not None:
             seconds = min(seconds, max(timeout, _LEAST_STATEMENT_SECONDS))
-        with self._connection_for(pinned, timeout) as conn:
+            wait = min(timeout, self.settings.pool_timeout)
+        with self._connection_for(pinned, wait) as conn:
             with bounded(conn, seconds):
                 return runner(conn, query, params, False if prepare is False else self._prepare)
 
