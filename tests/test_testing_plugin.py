@@ -8,7 +8,6 @@ import configparser
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -220,8 +219,6 @@ def entry_point(tmp_path: Path) -> Path:
 def run_project(
     pytester: pytest.Pytester, site: Path, env: dict[str, str], *args: str
 ) -> pytest.RunResult:
-    pytester.makepyfile(shop=SHOP)
-    pytester.makeconftest(CONFTEST)
     full_env = {k: v for k, v in os.environ.items() if k != DATABASE_URL_ENV}
     full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]))
     done = subprocess.run(
@@ -232,6 +229,7 @@ def run_project(
         text=True,
         timeout=110,
     )
+    print(done.stdout, done.stderr, sep="\n")  # shown when the test fails
     return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0)
 
 
@@ -241,7 +239,8 @@ def test_a_project_gets_the_database_twins_outage_and_lease(
     """200 tests that each build an app leave the server's connections as they were;
     send_twins, store_outage and expire_lease do what SPEC §19 says."""
     server = postgres_server.url if postgres_server else os.environ[DATABASE_URL_ENV]
-    pytester.makepyfile(test_many_apps=MANY_APPS, test_scenarios=SCENARIOS)
+    pytester.makepyfile(shop=SHOP, test_many_apps=MANY_APPS, test_scenarios=SCENARIOS)
+    pytester.makeconftest(CONFTEST)
     result = run_project(pytester, entry_point, {DATABASE_URL_ENV: server})
     result.assert_outcomes(passed=205)
 

@@ -15,7 +15,7 @@ from typing import Any
 from flask import Flask
 from psycopg.conninfo import conninfo_to_dict
 
-from ..extension import Idempotency
+from .. import Idempotency
 from ..state import get_state
 from .proxy import TcpProxy
 
