@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ def idempotency_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     """
     from .database import session_database
 
-    with session_database(tmp_path_factory) as (url, name):
+    with session_database(os.environ.get(DATABASE_URL_ENV), tmp_path_factory) as (url, name):
         yield IdempotencyDatabase(url, name)
 
 

@@ -7,7 +7,6 @@ Imported when a test uses the fixture, never when pytest loads the plugin.
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from collections.abc import Iterator
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -17,7 +16,6 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from . import DATABASE_URL_ENV
 from .postgres import PostgresServer
 
 __all__ = ["server_url", "session_database", "with_dbname"]
@@ -34,10 +32,9 @@ def with_dbname(conninfo: str, dbname: str) -> str:
 
 
 @contextlib.contextmanager
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``IDEMPOTENCY_TEST_DATABASE_URL``, or a throwaway server's URL while the block
-    runs (stopped after it)."""
-    url = os.environ.get(DATABASE_URL_ENV)
+def server_url(url: str | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """*url* (``IDEMPOTENCY_TEST_DATABASE_URL``), or when it is None or empty a throwaway
+    server's URL while the block runs (stopped after it)."""
     if url:
         yield url
         return
@@ -50,11 +47,13 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def session_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A database of its own, its URL and name, dropped after the block (with the
-    connections still open to it)."""
+def session_database(
+    server: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """A database of its own on *server* (see :func:`server_url`), its URL and name,
+    dropped after the block (with the connections still open to it)."""
     name = f"idempotency_test_{uuid.uuid4().hex[:12]}"
-    with server_url(tmp_path_factory) as url:
+    with server_url(server, tmp_path_factory) as url:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         try:
