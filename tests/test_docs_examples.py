@@ -209,7 +209,10 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
     )
     plugin = [] if installed else ["-p", "flask_idempotency.testing"]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin],
+        # a basetemp of its own: pytest makes /tmp/pytest-of-<user> private again at every
+        # session's start, which would lock this session's PostgreSQL user out of it
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin]
+        + ["--basetemp", str(tmp_path / "basetemp")],
         cwd=project,
         env=env,
         capture_output=True,

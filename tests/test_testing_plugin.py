@@ -222,7 +222,10 @@ def run_project(
     full_env = {k: v for k, v in os.environ.items() if k != DATABASE_URL_ENV}
     full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]))
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        # a basetemp of its own: pytest makes /tmp/pytest-of-<user> private again at every
+        # session's start, which would lock this session's PostgreSQL user out of it
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        + ["--basetemp", str(pytester.path.parent / f"{pytester.path.name}-basetemp")],
         cwd=pytester.path,
         env=full_env,
         capture_output=True,
