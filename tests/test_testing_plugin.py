@@ -254,3 +254,26 @@ def test_loading_the_plugin_imports_nothing_heavy(
     pytester.makepyfile(test_light=LIGHT)
     result = run_project(pytester, entry_point, {})
     result.assert_outcomes(passed=1)
+
+
+OWN_SERVER = """
+from __future__ import annotations
+
+import psycopg
+
+
+def test_a_throwaway_server_of_its_own(idempotency_database):
+    with psycopg.connect(idempotency_database.url) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()[0]
+    assert name == idempotency_database.name
+    assert name.startswith("idempotency_test_")
+"""
+
+
+def test_without_a_server_url_the_plugin_starts_postgresql(
+    pytester: pytest.Pytester, entry_point: Path
+) -> None:
+    """``IDEMPOTENCY_TEST_DATABASE_URL`` unset: a throwaway PostgreSQL for the session."""
+    pytester.makepyfile(test_own_server=OWN_SERVER)
+    result = run_project(pytester, entry_point, {})
+    result.assert_outcomes(passed=1)
