@@ -47,6 +47,12 @@ def create_app(**config: object) -> Flask:
             GATE.wait(10)  # a worker that hangs: its lease is what ends it
         return {"runs": len(RUNS), "attempt": current_idempotency.attempt}, 201
 
+    @app.post("/waiting")
+    @idempotency.idempotent(wait=5)  # twins wait for the answer: a LISTEN connection
+    def waiting() -> tuple[dict[str, object], int]:
+        time.sleep(0.2)
+        return {"waited": True}, 201
+
     return app
 """
 
@@ -76,6 +82,8 @@ import time
 import psycopg
 import pytest
 
+from flask_idempotency.testing import send_twins
+
 
 def server_connections(url):
     with psycopg.connect(url, autocommit=True) as conn:
@@ -96,6 +104,10 @@ def test_each_builds_an_app(before, app, idempotency_database, n):
     assert answer.status_code == 201
     if n == 0:  # the app's pool is open now
         assert server_connections(idempotency_database.url) > before
+    if n % 50 == 1:  # twins that wait: the app's listener has a connection too
+        key = {"Idempotency-Key": f"waiting-{n}"}
+        answers = send_twins(app.test_client(), "POST", "/waiting", n=3, headers=key)
+        assert [a.status_code for a in answers] == [201, 201, 201]
 
 
 def test_the_connections_are_back(before, idempotency_database):

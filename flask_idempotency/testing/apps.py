@@ -45,14 +45,14 @@ def start_recording() -> list[Flask]:
 
 def close_recorded(apps: list[Flask]) -> None:
     """Stop recording into *apps* and close each one's pool (a pool passed to
-    ``init_app`` is the caller's)."""
+    ``init_app`` is the caller's) and listener."""
     _recording[:] = [r for r in _recording if r is not apps]
     if not _recording:
         Idempotency.init_app = _original_init_app  # type: ignore[method-assign]
     for app in apps:
         state = app.extensions.get("idempotency")
         if state is not None:
-            state.store.close()
+            state.close()
 
 
 @contextlib.contextmanager
