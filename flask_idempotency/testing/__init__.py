@@ -65,8 +65,9 @@ def idempotency_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     names, or on a throwaway PostgreSQL the fixture starts (and stops) when it is unset.
 
     Apps built with ``Idempotency.init_app`` during a test that uses this fixture (in the
-    test or in its fixtures) have their pools closed at the test's teardown; an app that
-    outlives the test (a session-scoped fixture's) opens a new pool on its next request.
+    test or in its fixtures) have their pools and LISTEN connections closed at the test's
+    teardown; an app that outlives the test (a session-scoped fixture's) opens them again
+    on its next request.
     """
     from .database import session_database
 
@@ -104,7 +105,8 @@ def send_twins(
     its own test client of *client*'s app; their answers in the order sent.
 
     *kwargs* are those of :meth:`werkzeug.test.Client.open` (``headers=``, ``json=``,
-    ...): give them the same ``Idempotency-Key``. On a view that takes longer than the
+    ...): give them the same ``Idempotency-Key``. The twins' clients start without
+    *client*'s cookies: send credentials in *kwargs*. On a view that takes longer than the
     claim, one runs and the others get 409 (or wait, as the route's ``wait`` says).
 
     :raises BaseException: what a request raised (the first one, by order sent).
