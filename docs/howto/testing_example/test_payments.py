@@ -107,7 +107,8 @@ def test_a_retry_takes_over_a_dead_workers_claim(
     first = threading.Thread(target=pay, args=(app.test_client(), key))
     first.start()
     try:
-        while not attempts:
+        deadline = time.monotonic() + 10
+        while not attempts and time.monotonic() < deadline:  # the first view is running
             time.sleep(0.01)
         assert pay(app.test_client(), key).status_code == 409  # in progress
         expire_lease(app, key, tenant="acme")  # the tenant loader's name for ACME
