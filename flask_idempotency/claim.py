@@ -67,7 +67,7 @@ class ClaimedKey:
         self.expires_at: datetime | None = None
         #: the request's spans (children of the span the request reached the view in)
         self.trace = trace
-        #: ``db.session`` in the key's transaction (:mod:`.sqlalchemy`), or None
+        #: ``db.session`` in the key's transaction (``flask_idempotency.sqlalchemy``), or None
         self.orm: Any = None
 
     @property

@@ -117,7 +117,7 @@ class Idempotency:
 
         *sqlalchemy*, a Flask-SQLAlchemy ``SQLAlchemy`` object (or a SQLAlchemy
         ``scoped_session``), joins ``db.session`` to the key's transaction in
-        ``transactional=True`` views (:mod:`flask_idempotency.sqlalchemy`); its engine must
+        ``transactional=True`` views (``flask_idempotency.sqlalchemy``); its engine must
         be psycopg 3 (``postgresql+psycopg://``).
 
         .. versionchanged:: 0.1

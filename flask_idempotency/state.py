@@ -69,6 +69,13 @@ class IdempotencyState:
             settings = self._routes[id(overrides)] = self.settings.route.override(overrides)
         return settings
 
+    def close(self) -> None:
+        """Close this process's pool and its listener's connection (the pytest plugin,
+        at the teardown of the test that built the app); both open again on next use."""
+        self.store.close()
+        if self._waiter is not None and self._waiter_pid == os.getpid():
+            self._waiter.close()
+
     @property
     def waiter(self) -> CompletionWaiter:
         """This process's listener for finished keys, made on first use."""

@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -14,7 +13,7 @@ from flask import Flask
 from gunicorn_server import GunicornServer
 from pgserver import PostgresServer
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 from tcpproxy import TcpProxy
 from testapp import create_app
@@ -22,20 +21,13 @@ from testapp import create_app
 import flask_idempotency.store.execution
 import flask_idempotency.store.postgres
 
-#: Set to a libpq URL (or key=value conninfo) to test against an existing server instead of a
-#: throwaway one; only the database ``idempotency_test`` on it is (re)created and used.
-DATABASE_URL_ENV = "IDEMPOTENCY_TEST_DATABASE_URL"
+# DATABASE_URL_ENV: set to a libpq URL (or key=value conninfo) to test against an existing
+# server instead of a throwaway one; only the database ``idempotency_test`` on it is
+# (re)created and used here (the plugin's idempotency_database makes one of its own there)
+from flask_idempotency.testing import DATABASE_URL_ENV
+from flask_idempotency.testing.database import with_dbname
+
 TEST_DATABASE = "idempotency_test"
-
-
-def with_dbname(conninfo: str, dbname: str) -> str:
-    """``conninfo`` (a URL or key=value string) pointing at database ``dbname`` instead."""
-    if not conninfo.startswith(("postgresql://", "postgres://")):
-        return make_conninfo(conninfo, dbname=dbname)
-    parts = urlsplit(conninfo)
-    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "dbname"]
-    path = "/" + quote(dbname, safe="")
-    return urlunsplit(parts._replace(path=path, query=urlencode(query)))
 
 
 @pytest.fixture(scope="session")

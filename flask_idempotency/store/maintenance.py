@@ -21,6 +21,7 @@ from .records import (
     ExhaustedKey,
     JobListing,
     KeyListing,
+    LeaseEnded,
     StoredKey,
     StuckCounts,
     record_of,
@@ -34,6 +35,7 @@ from .statements_background import (
     COUNT_STUCK,
     DEFERRED,
     DELETE_EXPIRED,
+    END_LEASE,
     LIST_EXHAUSTED,
     LIST_JOBS,
     LIST_KEYS,
@@ -58,6 +60,7 @@ class Maintenance:
         self._count_stuck = statement(COUNT_STUCK)
         self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
         self._list_exhausted = statement(LIST_EXHAUSTED)
+        self._end_lease = statement(END_LEASE)
 
     def delete_expired(self, batch_size: int) -> int:
         """Delete one batch of finished keys past ``expires_at``; the number deleted."""
@@ -141,6 +144,14 @@ class Maintenance:
         """The dead-letter list: unknown keys whose reconciliation gave up."""
         params = {"max_attempts": max_attempts, "limit": limit}
         return records(ExhaustedKey, self.store.fetch(self._list_exhausted, params))
+
+    def end_lease(self, tenant: str, key: str) -> LeaseEnded | None:
+        """End the lease of *key*'s ``processing`` claim now (the next request takes it
+        over as ``on_abandoned`` says): the claim, or None if the key is not
+        ``processing``. For tests (:func:`flask_idempotency.testing.expire_lease`)."""
+        return record_of(
+            LeaseEnded, self.store.fetch(self._end_lease, {"tenant": tenant, "key": key})
+        )
 
     @staticmethod
     def _count(row: tuple[Any, ...] | None) -> int:

@@ -112,6 +112,16 @@ class Rescheduled:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeaseEnded:
+    """A claim whose lease a test ended (:meth:`~.maintenance.Maintenance.end_lease`)."""
+
+    attempt: int
+    generation: int
+    #: the database's clock when the lease ended
+    lease_ended: datetime
+
+
+@dataclasses.dataclass(frozen=True)
 class Abandoned:
     """Claims whose lease ended: how many the cleaner marked (or would mark), and how
     many of them ``unknown`` (their recorded ``on_abandoned``; the others retryable)."""

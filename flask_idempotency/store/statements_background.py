@@ -353,3 +353,14 @@ COUNT_ABANDONED = (
     " = 'unknown') FROM (" + ABANDONED_KEYS + ") AS abandoned"
     " JOIN {table} AS k USING (tenant, key)"
 )
+
+# -- tests (flask_idempotency.testing) ------------------------------------------------
+
+# expire_lease(app, key): a claim's lease ends now, as if its worker had died and its
+# lease had run out; the next request for the key takes over as ON_ABANDONED says.
+# A transactional view's claim holds its row locked: this waits for its end.
+END_LEASE = """
+UPDATE {table} SET locked_until = now()
+WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
+RETURNING attempt, generation, locked_until AS lease_ended
+"""

@@ -19,6 +19,9 @@ from psycopg import sql
 
 logger = logging.getLogger("flask_idempotency")
 
+#: how often (seconds) the listener looks whether :meth:`CompletionWaiter.close` was called
+_CLOSE_POLL = 0.2
+
 
 class CompletionWaiter:
     """Wakes the requests waiting for a key to be finished."""
@@ -30,6 +33,7 @@ class CompletionWaiter:
         self._events: defaultdict[str, set[threading.Event]] = defaultdict(set)
         self._lock = threading.Lock()
         self._listening = threading.Event()
+        self._closing = threading.Event()
         self._thread: threading.Thread | None = None
 
     @contextmanager
@@ -60,6 +64,17 @@ class CompletionWaiter:
                 self._thread.start()
         return self._listening.wait(self.connect_timeout)
 
+    def close(self) -> None:
+        """Stop listening and close the listener's connection (a test's app, at its
+        teardown); a later subscription starts it again."""
+        with self._lock:
+            thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._closing.set()
+        thread.join(5 + _CLOSE_POLL)
+        self._closing.clear()
+
     def _listen(self) -> None:
         try:
             with psycopg.connect(
@@ -67,8 +82,10 @@ class CompletionWaiter:
             ) as conn:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                 self._listening.set()
-                for notify in conn.notifies():
-                    self._wake(notify.payload)
+                while not self._closing.is_set():
+                    # notifications that come between two calls wait in the connection
+                    for notify in conn.notifies(timeout=_CLOSE_POLL):
+                        self._wake(notify.payload)
         except psycopg.Error as exc:
             logger.warning("idempotency listener stopped: %s", exc)
         finally:

@@ -1,0 +1,84 @@
+"""The plugin's hold on the apps a test builds: their pools closed after it, and a
+store outage on demand.
+
+Imported when a test uses the plugin, never when pytest loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Flask
+from psycopg.conninfo import conninfo_to_dict
+
+from .. import Idempotency
+from ..state import get_state
+from .proxy import TcpProxy
+
+__all__ = ["close_recorded", "partitioned", "start_recording"]
+
+#: the lists of the tests now recording (one at a time, but nested sessions exist:
+#: pytester's in-process runs)
+_recording: list[list[Flask]] = []
+_original_init_app = Idempotency.init_app
+
+
+@functools.wraps(_original_init_app)
+def _recorded_init_app(self: Idempotency, app: Flask, **kwargs: Any) -> None:
+    _original_init_app(self, app, **kwargs)
+    for apps in _recording:
+        apps.append(app)
+
+
+def start_recording() -> list[Flask]:
+    """From now on, every app ``Idempotency.init_app`` initialises is appended to the
+    returned list, until :func:`close_recorded` closes them."""
+    apps: list[Flask] = []
+    _recording.append(apps)
+    Idempotency.init_app = _recorded_init_app  # type: ignore[method-assign]
+    return apps
+
+
+def close_recorded(apps: list[Flask]) -> None:
+    """Stop recording into *apps* and close each one's pool (a pool passed to
+    ``init_app`` is the caller's) and listener."""
+    _recording[:] = [r for r in _recording if r is not apps]
+    if not _recording:
+        Idempotency.init_app = _original_init_app  # type: ignore[method-assign]
+    for app in apps:
+        state = app.extensions.get("idempotency")
+        if state is not None:
+            state.close()
+
+
+@contextlib.contextmanager
+def partitioned(app: Flask) -> Iterator[None]:
+    """*app*'s store behind a proxy that forwards nothing while the block runs (see
+    :func:`flask_idempotency.testing.store_outage`)."""
+    store = get_state(app).store
+    settings = store.settings
+    if store._given_pool is not None or not settings.database_url:
+        raise ValueError("store_outage(app) needs the pool the extension opens, not one passed in")
+    host = str(conninfo_to_dict(settings.database_url).get("host") or "")
+    if host.startswith("/") or "," in host:
+        raise ValueError(
+            f"store_outage(app) proxies a TCP address; the app's database is at {host!r}"
+        )
+    proxy = TcpProxy.to_database(settings.database_url)
+    with proxy:
+        store.close()
+        # the pool the store opens next goes through the proxy (the URL is read there)
+        store.settings = dataclasses.replace(
+            settings, database_url=proxy.url(settings.database_url)
+        )
+        proxy.freeze()
+        try:
+            yield
+        finally:
+            proxy.thaw()  # what waits in the proxy goes on, so the pool can close
+            store.close()
+            store.settings = settings

@@ -1,0 +1,172 @@
+"""A TCP proxy on 127.0.0.1 that can be told to go silent: a network partition, or a
+pooler that hangs, between the app and its database.
+
+While :meth:`TcpProxy.freeze` is in effect the proxy accepts connections and bytes but
+forwards nothing in either direction, so the peers see a connection that is up and
+says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
+
+It also counts round trips (:attr:`TcpProxy.round_trips`): each time a client sends
+after its server last spoke (or first), so a pipeline of statements sent together is one.
+
+:meth:`TcpProxy.drop_answers` loses answers instead: the server has done its work and sent
+its answer, and the client sees its connection close without one.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .postgres import free_port
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:*port* to *target_host*:*target_port*, one thread per direction."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._stopping = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        #: client sends that followed an answer (or came first), on every connection
+        self.round_trips = 0
+        self._client_spoke_last: dict[int, bool] = {}
+        self._answers_to_drop = 0
+
+    @classmethod
+    def to_database(cls, database_url: str) -> TcpProxy:
+        params = conninfo_to_dict(database_url)
+        return cls(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+
+    def url(self, database_url: str) -> str:
+        """*database_url* pointing at this proxy instead."""
+        return make_conninfo(database_url, host="127.0.0.1", port=str(self.port))
+
+    def start(self) -> None:
+        self._spawn(self._accept)
+
+    def freeze(self) -> None:
+        """Stop forwarding: bytes already sent, and new ones, wait in the proxy."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
+    def drop_answers(self, count: int = 1) -> None:
+        """Lose the next *count* answers: on the first bytes a server sends after its client
+        spoke, the proxy forwards nothing and closes both sides of that connection."""
+        with self._lock:
+            self._answers_to_drop = count
+
+    def _drops(self, pair: int, from_client: bool) -> bool:
+        """Whether these bytes, just read, start an answer to be dropped."""
+        with self._lock:
+            starts_answer = not from_client and self._client_spoke_last.get(pair, False)
+            if starts_answer and self._answers_to_drop > 0:
+                self._answers_to_drop -= 1
+                return True
+            return False
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._flowing.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(10)
+        assert not any(t.is_alive() for t in threads)
+        # Only now: the accept thread may have added a pair after the shutdowns above.
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            if self._stopping.is_set():  # stop() is closing them
+                return
+            self._spawn(self._pump, client, upstream, id(client), True)
+            self._spawn(self._pump, upstream, client, id(client), False)
+
+    def _count(self, pair: int, from_client: bool) -> None:
+        with self._lock:
+            if from_client and not self._client_spoke_last.get(pair, False):
+                self.round_trips += 1
+            self._client_spoke_last[pair] = from_client
+
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, pair: int, from_client: bool
+    ) -> None:
+        try:
+            source.settimeout(0.1)
+        except OSError:  # stop() closed the socket before this thread started
+            return
+        while not self._stopping.is_set():
+            self._flowing.wait()
+            try:
+                data = source.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data or self._drops(pair, from_client):
+                break
+            self._count(pair, from_client)
+            # Bytes read just before a freeze are held until the thaw too.
+            while not self._flowing.wait(0.1):
+                if self._stopping.is_set():
+                    return
+            try:
+                sink.sendall(data)
+            except OSError:
+                break
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> TcpProxy:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
