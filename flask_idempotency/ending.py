@@ -101,8 +101,10 @@ def teardown_request(exc: BaseException | None) -> None:
 def finish(claim: ClaimedKey, response: Response) -> Response:
     """End *claim* with *response*; returns what the client gets."""
     with claim.trace.span(tracing.FINISH) as span:
-        response = _commit_orm(claim, response)
         ending = ending_of(claim, response)
+        if claim.orm is not None and ending.stored is not None and not _commit_orm(claim):
+            response = InternalServerError().get_response()  # type: ignore[assignment]
+            ending = ending_of(claim, response)  # the view failed: rolled back
         transactional = claim.pinned is not None  # applying ends its held transaction
         try:
             return _apply(claim, ending, response, span)
@@ -140,20 +142,19 @@ def _apply(
     return _refused(claim, ending, response)
 
 
-def _commit_orm(claim: ClaimedKey, response: Response) -> Response:
-    """A transactional view that wrote through ``db.session`` (:mod:`.sqlalchemy`):
-    commit what it flushed, or only added, into the key's transaction, when its response
-    is to be stored. A flush that fails (a constraint) fails the view: Flask's 500, and
-    everything is rolled back with the key."""
-    if claim.orm is None or ending_of(claim, response).stored is None:
-        return response
+def _commit_orm(claim: ClaimedKey) -> bool:
+    """A transactional view that wrote through ``db.session`` (:mod:`.sqlalchemy`), whose
+    response is to be stored: commit what it flushed, or only added, into the key's
+    transaction; False if the flush failed (a constraint), which fails the view: Flask's
+    500, and everything is rolled back with the key."""
+    assert claim.orm is not None
     try:
         claim.orm.commit()
     except Exception as exc:
         logger.error("decision=orm_failed %s error=%s", _fields(claim), exc)
         claim.exception = exc
-        return InternalServerError().get_response()  # type: ignore[return-value]
-    return response
+        return False
+    return True
 
 
 def _refused(claim: ClaimedKey, ending: Ending, response: Response) -> Response:

@@ -91,11 +91,18 @@ class _KeyConnection:
 class JoinedSession:
     """The key's session of one view, and how it ends."""
 
-    def __init__(self, join: KeyTransactions, connection: sa.Connection, session: orm.Session):
+    def __init__(
+        self,
+        join: KeyTransactions,
+        connection: sa.Connection,
+        session: orm.Session,
+        previous: orm.Session | None,
+    ):
         self._join = join
         self.bound = connection
         self.session = session
-        self._previous: orm.Session | None = None
+        #: the app's session of this scope before the view, given back at the end
+        self._previous = previous
 
     def commit(self) -> None:
         """Flush and commit the view's work into the key's transaction (releasing the
@@ -192,9 +199,8 @@ class KeyTransactions:
         session = _key_session_class(factory.class_)(
             key_connection=connection, default_engine=default, **options
         )
-        joined = JoinedSession(self, connection, session)
         registry = self._scoped.registry
-        joined._previous = registry() if registry.has() else None
+        joined = JoinedSession(self, connection, session, registry() if registry.has() else None)
         registry.set(session)
         return joined
 

@@ -299,19 +299,10 @@ class JobRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobDetail:
+class JobDetail(JobRow):
     """One staged job with its payload (the console's job page)."""
 
-    id: str
-    tenant: str
-    key: str
-    name: str
     payload: str
-    attempts: int
-    dead: bool
-    due_at: datetime
-    last_error: str | None
-    created_at: datetime
 
 
 @dataclasses.dataclass(frozen=True)
