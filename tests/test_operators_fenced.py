@@ -280,3 +280,21 @@ def test_the_overview_says_a_command_run_once_ran_once(console_app: Flask) -> No
     overview = Operator(console_app).client.get(C + "/").text
     row = re.search(r"<tr class=\"fresh\">.*?</tr>", overview, re.DOTALL)
     assert row is not None and "ran once" in row.group(0) and "running" not in row.group(0)
+
+
+@pytest.mark.parametrize(
+    "version", ["", "x", "1.2", "1.2.unknown.4", "\x00", "1\x00.1.unknown", "9" * 100_000]
+)
+def test_a_forged_or_broken_version_changes_nothing(
+    console_app: Flask, db: DB, version: str
+) -> None:
+    """The form's version field is input too: empty, malformed, a NUL, 100 kB of digits:
+    400 or 409, never a 500, and the key is not forgotten."""
+    key = f"k-{uuid.uuid4()}"
+    pay(console_app, key)
+    ann = Operator(console_app)
+    form = ann.open("/key/confirm", action="forget", tenant="t", key=key)
+    assert ann.confirm("/key/act", form, version=version) in (400, 409)
+    keys = console_app.config["IDEMPOTENCY_TABLE"]
+    assert db.execute(f"SELECT count(*) FROM {keys} WHERE key = %s", (key,)).fetchone() == (1,)
+    assert audit_count(console_app, db) == 0

@@ -33,10 +33,18 @@ def flask(app: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float
 
 
 @pytest.mark.parametrize(
-    "command", ["idempotency-complete", "idempotency-clean", "idempotency-list", "idempotency-init"]
+    "command",
+    [
+        ("idempotency-complete",),
+        ("idempotency-clean",),
+        ("idempotency-list",),
+        ("idempotency-init",),
+        ("idempotency-resolve", "k-\u00e9\x7f", "--as", "retryable"),  # settled by one service
+    ],
+    ids=lambda args: args[0],
 )
 def test_a_command_against_a_frozen_database_prints_one_line(
-    database_url: str, command: str
+    database_url: str, command: tuple[str, ...]
 ) -> None:
     with TcpProxy.to_database(database_url) as proxy:
         proxy.freeze()  # connections open, nothing answers: a partition
@@ -46,8 +54,8 @@ def test_a_command_against_a_frozen_database_prints_one_line(
             " IDEMPOTENCY_POOL_TIMEOUT=1, IDEMPOTENCY_STATEMENT_TIMEOUT=1)"
         )
         # what starting Python, Flask and the app costs, without the store
-        _, startup = flask(app, command, "--help")
-        done, took = flask(app, command)
+        _, startup = flask(app, command[0], "--help")
+        done, took = flask(app, *command)
     lines = (done.stdout + done.stderr).splitlines()
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert len(lines) == 1, lines
