@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,54 +9,24 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask
-from gunicorn_server import GunicornServer
-from pgserver import PostgresServer
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
-from tcpproxy import TcpProxy
-from testapp import create_app
 
 import flask_idempotency.store.execution
 import flask_idempotency.store.postgres
-
-# DATABASE_URL_ENV: set to a libpq URL (or key=value conninfo) to test against an existing
-# server instead of a throwaway one; only the database ``idempotency_test`` on it is
-# (re)created and used here (the plugin's idempotency_database makes one of its own there)
-from flask_idempotency.testing import DATABASE_URL_ENV
-from flask_idempotency.testing.database import with_dbname
-
-TEST_DATABASE = "idempotency_test"
+from flask_idempotency.testing import IdempotencyDatabase
+from flask_idempotency.testing.proxy import TcpProxy
+from tests.apps.testapp import create_app
+from tests.support.gunicorn_server import GunicornServer
+from tests.support.old_tables import create_old_table
 
 
 @pytest.fixture(scope="session")
-def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer | None]:
-    """A throwaway server for the session, or None when DATABASE_URL_ENV names an external one."""
-    if os.environ.get(DATABASE_URL_ENV):
-        yield None
-        return
-    server = PostgresServer(tmp_path_factory.mktemp("postgres") / "data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def database_url(postgres_server: PostgresServer | None) -> str:
-    """URL of a freshly created, empty database ``idempotency_test``."""
-    base_url = postgres_server.url if postgres_server is not None else os.environ[DATABASE_URL_ENV]
-    # Connect to the URL's own database to (re)create the test database, unless that is the
-    # test database itself (which cannot be dropped while connected to it).
-    admin_url = base_url
-    if conninfo_to_dict(base_url).get("dbname") == TEST_DATABASE:
-        admin_url = with_dbname(base_url, "postgres")
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        name = sql.Identifier(TEST_DATABASE)
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(name))
-    return with_dbname(base_url, TEST_DATABASE)
+def database_url(idempotency_database: IdempotencyDatabase) -> str:
+    """URL of the session's database: the plugin's (:mod:`flask_idempotency.testing`), made
+    afresh for the run on the server ``IDEMPOTENCY_TEST_DATABASE_URL`` names, or on a
+    throwaway PostgreSQL."""
+    return idempotency_database.url
 
 
 @pytest.fixture
@@ -189,3 +158,18 @@ def start_gunicorn(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
         except Exception as exc:
             errors.append(exc)
     assert not errors, errors
+
+
+# -- tables of earlier releases --------------------------------------------------------------
+
+
+@pytest.fixture
+def old_table(db: psycopg.Connection[TupleRow]) -> Iterator[str]:
+    """A keys table and its jobs table as 0.1.0 made them, populated (see
+    :func:`tests.support.old_tables.create_old_table`); dropped after the test."""
+    table = f"upgrade_{uuid.uuid4().hex[:8]}"
+    create_old_table(db, table)
+    yield table
+    db.execute(
+        sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
+    )

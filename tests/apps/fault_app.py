@@ -1,0 +1,193 @@
+"""The app that tests/e2e/test_fault_schedule.py serves under gunicorn and runs the CLI of
+(``python -m flask --app fault_app idempotency-clean``), configured by the environment only:
+
+- ``FLASK_IDEMPOTENCY_*`` (``app.config.from_prefixed_env()``, values parsed as JSON), among
+  them ``FLASK_IDEMPOTENCY_DATABASE_URL``, the store (behind the test's TCP proxy);
+- ``FAULT_EXECUTIONS_URL``: the database holding ``fault_executions``, on a server the faults
+  never touch, so that "the view ran twice" can always be read.
+
+Three routes, one per kind of view the at-most-once promise covers differently:
+
+- ``POST /charge`` (``on_abandoned="unknown"``, ``complete=True``): re-running it would be
+  harmful (think of a card charge). Its execution row *is* its effect: the reconciler
+  registered here looks for it, as a real one asks the payment provider.
+- ``POST /transfer`` (``transactional=True``): its effect is a ``fault_ledger`` row written on
+  the claim's connection, in the key's transaction, so it commits with the stored answer or
+  not at all; a rolled-back attempt may run again, but at most one ledger row may commit.
+- ``POST /note``: a plain route under the app-wide ``on_abandoned="retry"``: a takeover may run
+  it again as the next attempt, never the same attempt twice.
+
+Every execution is recorded (route, tenant, key, attempt, pid, the exact body answered, and
+whether the completer ran it) before the view's optional ``X-Delay``, so a fault can hit the
+view mid-way and the record still tells that it ran. Each answer's body holds a fresh uuid,
+so two runs of one key can never answer alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from flask import Flask, Response, request
+
+from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
+
+EXECUTIONS = """
+CREATE TABLE IF NOT EXISTS fault_executions (
+    route text NOT NULL,
+    tenant text NOT NULL,
+    key text NOT NULL,
+    attempt integer NOT NULL,
+    pid integer NOT NULL,
+    completing boolean NOT NULL,
+    body text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS fault_executions_key ON fault_executions (tenant, key);
+"""
+
+#: on the store's own server: the transactional route's effect (no unique constraint on
+#: purpose: a second commit must show as a second row, not be hidden by a constraint)
+LEDGER = """
+CREATE TABLE IF NOT EXISTS fault_ledger (
+    tenant text NOT NULL,
+    key text NOT NULL,
+    body text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"""
+
+#: the longest a view sleeps for ``X-Delay`` (a typo in a test must not hang a worker)
+MAX_DELAY = 5.0
+
+
+def create_tables(store_url: str, executions_url: str) -> None:
+    """The ledger on the store's server and the executions table on the other one; made
+    once before the workers start (workers creating them together could race)."""
+    with psycopg.connect(store_url, autocommit=True) as conn:
+        conn.execute(LEDGER)
+    with psycopg.connect(executions_url, autocommit=True) as conn:
+        conn.execute(EXECUTIONS)
+
+
+def environment(store_url: str, executions_url: str, **settings: Any) -> dict[str, str]:
+    """The environment that configures this app: ``name=value`` becomes
+    ``FLASK_IDEMPOTENCY_<NAME>`` (JSON-encoded unless a string)."""
+    env = {"FLASK_IDEMPOTENCY_DATABASE_URL": store_url, "FAULT_EXECUTIONS_URL": executions_url}
+    for name, value in settings.items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        env["FLASK_IDEMPOTENCY_" + name.upper()] = text
+    return env
+
+
+def answer(body: str) -> Response:
+    """The response of an execution whose body is *body*: the view's and, for a key whose
+    outcome was unknown, the reconciler's (so both are byte for byte the same)."""
+    payment_id = json.loads(body)["id"]
+    return Response(body, 201, {"Location": f"/payments/{payment_id}"}, mimetype="application/json")
+
+
+def _log_decisions() -> None:
+    """Every decision at INFO, with time and pid, on stderr (gunicorn's log, the CLI's
+    output): the test reads ``decision=store_failed`` lines from it to explain failures."""
+    logger = logging.getLogger("flask_idempotency")
+    if any(getattr(h, "fault_app", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.fault_app = True  # type: ignore[attr-defined]
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s pid=%(process)d %(levelname)s %(name)s %(message)s")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def create_app() -> Flask:
+    _log_decisions()
+    app = Flask("fault_app")
+    app.config.from_prefixed_env()
+    executions_url = os.environ["FAULT_EXECUTIONS_URL"]
+    idempotency = Idempotency(app)
+
+    @idempotency.tenant_loader
+    def tenant() -> str:
+        # Stored with a complete=True claim (IDEMPOTENCY_STORED_REQUEST_HEADERS), so the
+        # completer's rebuilt request names the key's own tenant.
+        return request.headers.get("X-Tenant", "")
+
+    @idempotency.reconciler
+    def reconcile(key: UnknownKey) -> Any:
+        # As a real reconciler asks the provider whether the charge happened: the
+        # execution row is the effect. Found: the key completes with the very answer the
+        # view gave. Not found: the view never ran (it records before anything else), so
+        # a retry may run it.
+        with psycopg.connect(executions_url, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute(
+                "SELECT body FROM fault_executions WHERE tenant = %s AND key = %s"
+                " ORDER BY at LIMIT 1",
+                (key.tenant, key.key),
+            ).fetchone()
+        return answer(row[0]) if row is not None else idempotency.RETRYABLE
+
+    @app.get("/health")
+    def health() -> str:
+        return "ok"
+
+    def execute(route: str) -> str:
+        """Record this execution, then take X-Delay seconds; the body to answer."""
+        body = json.dumps(
+            {
+                "id": str(uuid.uuid4()),
+                "route": route,
+                "key": current_idempotency.key,
+                "attempt": current_idempotency.attempt,
+            },
+            sort_keys=True,
+        )
+        with psycopg.connect(executions_url, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(
+                "INSERT INTO fault_executions"
+                " (route, tenant, key, attempt, pid, completing, body)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    route,
+                    current_idempotency.tenant,
+                    current_idempotency.key,
+                    current_idempotency.attempt,
+                    os.getpid(),
+                    completing() is not None,
+                    body,
+                ),
+            )
+        delay = float(request.headers.get("X-Delay", "0"))
+        if delay > 0:
+            time.sleep(min(delay, MAX_DELAY))
+        return body
+
+    @app.post("/charge")
+    @idempotency.idempotent(on_abandoned="unknown", complete=True)
+    def charge() -> Response:
+        return answer(execute("charge"))
+
+    @app.post("/transfer")
+    @idempotency.idempotent(transactional=True)
+    def transfer() -> Response:
+        body = execute("transfer")
+        current_idempotency.connection.execute(
+            "INSERT INTO fault_ledger (tenant, key, body) VALUES (%s, %s, %s)",
+            (current_idempotency.tenant, current_idempotency.key, body),
+        )
+        return answer(body)
+
+    @app.post("/note")
+    @idempotency.idempotent
+    def note() -> Response:
+        return answer(execute("note"))
+
+    return app

@@ -1,0 +1,101 @@
+"""The app of the operational-event tests (tests/e2e/test_operations.py) under real gunicorn.
+
+Served as ``gunicorn "tests.apps.ops_app:create_app()"`` with the repository root on
+``PYTHONPATH``, configured as tests/apps/e2e_app.py is (``FLASK_IDEMPOTENCY_*`` and
+``E2E_EXECUTIONS_URL``), with routes whose policy differs from the app-wide one, so that a
+process acting later (the cleaner, the completer, the next request) shows which policy it
+used:
+
+- ``POST /unknown``: ``on_abandoned="unknown"`` (re-running it would be harmful);
+- ``POST /retry``: ``on_abandoned="retry"``;
+- ``POST /orders``: ``transactional=True``, its order row written in the key's transaction.
+
+Each records its execution in ``e2e_executions`` (before its gate, so a test knows it runs),
+honours ``X-Gate`` and ``X-Delay`` as tests/apps/e2e_app.py does, and answers a body of its own
+(a uuid), so a replay that differs from the first answer shows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from flask import Flask, request
+
+from flask_idempotency import Idempotency, current_idempotency
+from tests.apps.e2e_app import WorkerPid, wait_for_gate
+
+ORDERS = """
+CREATE TABLE IF NOT EXISTS ops_orders (
+    id uuid PRIMARY KEY,
+    tenant text NOT NULL,
+    key text NOT NULL
+)
+"""
+
+
+def create_app() -> Flask:
+    app = Flask("ops_app")
+    app.config.from_prefixed_env()
+    executions_url = os.environ["E2E_EXECUTIONS_URL"]
+    idempotency = Idempotency(app)
+
+    @idempotency.tenant_loader
+    def tenant() -> str:
+        return request.headers.get("X-Tenant", "")
+
+    @app.get("/health")
+    def health() -> str:
+        return "ok"
+
+    def run() -> tuple[dict[str, Any], int]:
+        """Record this execution, wait at the gate or sleep if asked, answer a new id."""
+        with psycopg.connect(executions_url, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(
+                "INSERT INTO e2e_executions (tenant, key, attempt, pid) VALUES (%s, %s, %s, %s)",
+                (
+                    current_idempotency.tenant,
+                    current_idempotency.key,
+                    current_idempotency.attempt,
+                    os.getpid(),
+                ),
+            )
+            gate = request.headers.get("X-Gate")
+            if gate:
+                wait_for_gate(conn, gate)
+        delay = float(request.headers.get("X-Delay", "0"))
+        if delay > 0:
+            time.sleep(min(delay, 10.0))
+        return {"id": str(uuid.uuid4()), "attempt": current_idempotency.attempt}, 201
+
+    @app.post("/unknown")
+    @idempotency.idempotent(on_abandoned="unknown")
+    def unknown_route() -> tuple[dict[str, Any], int]:
+        return run()
+
+    @app.post("/retry")
+    @idempotency.idempotent(on_abandoned="retry")
+    def retry_route() -> tuple[dict[str, Any], int]:
+        return run()
+
+    @app.post("/orders")
+    @idempotency.idempotent(transactional=True)
+    def create_order() -> tuple[dict[str, Any], int]:
+        body, status = run()
+        current_idempotency.connection.execute(
+            "INSERT INTO ops_orders (id, tenant, key) VALUES (%s, %s, %s)",
+            (body["id"], current_idempotency.tenant, current_idempotency.key),
+        )
+        return body, status
+
+    app.wsgi_app = WorkerPid(app.wsgi_app)  # type: ignore[method-assign]
+    return app
+
+
+def create_orders_table(url: str) -> None:
+    """The table ``POST /orders`` writes in the key's transaction (idempotent)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(ORDERS)

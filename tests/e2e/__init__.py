@@ -1,0 +1,1 @@
+"""Tests with real processes: gunicorn, flask commands, Celery, PgBouncer, restarts."""

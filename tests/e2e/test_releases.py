@@ -1,0 +1,985 @@
+"""Two releases serve one table at once, in both directions (SPEC §16 "Two releases side by
+side"), with real processes: a previous release taken from git and this one, each under its own
+gunicorn, on one PostgreSQL table of 100 000 keys made in the previous release's layout.
+
+A deploy is never atomic: for minutes, old and new workers answer the same clients, and a
+client's retry lands on whichever release the load balancer picks. What must hold throughout,
+whichever release starts beside the other (an upgrade, or a rollback):
+
+- no 5xx (schema work never blocks or fails serving), no answer other than the view's own;
+- no key runs twice (the ``executions`` table the app writes before answering says so);
+- a retry that crosses releases replays the first answer, byte for byte;
+- a key either release marks ``unknown`` is seen by the new release (``flask idempotency-list``,
+  the ``idempotency_stuck_keys`` gauge) and reconciled by its ``flask idempotency-reconcile``;
+- no process start undoes the other release's DDL (retired indexes go only by an explicit
+  ``flask idempotency-init``).
+
+Contract violations are gathered (:class:`Findings`) and reported together at the end, so one
+run tells everything that is wrong; the harness's own steps (the releases taken from git, the
+code each server imports, the traffic reaching both, the executions recorded) are asserted as
+they happen, so a failure is the product's, not the test's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import TupleRow
+
+import flask_idempotency
+from flask_idempotency.testing.database import with_dbname
+from tests.apps.release_app import create_tables
+from tests.support.gunicorn_server import ROOT, GunicornServer, Response, post, wait_until
+from tests.support.releases import extract
+
+DB = psycopg.Connection[TupleRow]
+APP = "tests.apps.release_app:create_app()"
+CLI_APP = "tests.apps.release_app:create_app"
+TABLE = "idempotency_keys"
+
+
+@dataclass(frozen=True)
+class OldRelease:
+    """A previous release, and what it writes that a test must write the same way."""
+
+    commit: str
+    #: ``reconcile_due_at`` of a key this release marks ``unknown`` (f804229 left it NULL:
+    #: "due now"; later releases set it)
+    unknown_due_at: str
+
+
+RELEASES = [OldRelease("f804229", "NULL"), OldRelease("9c9ab3e", "now()")]
+
+#: keys put in the old release's table by SQL, before any process serves it
+BULK_KEYS = 100_000
+#: one bulk key in so many is ``unknown`` (as the old release marks them)
+BULK_UNKNOWN_EVERY = 2_000
+#: the tenant of the keys made ``unknown`` by a killed worker
+UNKNOWN_TENANT = "u"
+#: traffic: client threads, and the most requests one of them sends (a bound, never reached)
+CLIENTS = 3
+MAX_REQUESTS = 4_000
+#: the share of requests that are retries of a key already answered
+RETRY_SHARE = 0.4
+#: how long a phase may take before the test says what it was waiting for (a few phases
+#: fit in pytest's timeout of the test)
+PHASE_TIMEOUT = 20.0
+#: ... once one of them timed out
+STUCK_TIMEOUT = 5.0
+
+BULK = """
+INSERT INTO {table} (tenant, key, fingerprint, status, attempt, generation, locked_until,
+    response_status, response_headers, response_body, created_at, updated_at, expires_at,
+    reconcile_due_at)
+SELECT 'bulk' || (i % 10), 'bulk-' || i, sha256(('bulk-' || i)::bytea),
+       CASE WHEN i % {unknown_every} = 0 THEN 'unknown'
+            WHEN i % 50 = 7 THEN 'retryable' ELSE 'completed' END,
+       1, 1000000 + i, NULL,
+       CASE WHEN i % {unknown_every} = 0 THEN NULL ELSE 201 END,
+       CASE WHEN i % {unknown_every} = 0 THEN NULL
+            ELSE '[["Content-Type", "application/json"]]'::jsonb END,
+       CASE WHEN i % {unknown_every} = 0 THEN NULL
+            ELSE convert_to('{{"id": "' || i || '"}}', 'UTF8') END,
+       now() - make_interval(secs => i * 0.8), now() - make_interval(secs => i * 0.8),
+       now() + interval '1 day' - make_interval(secs => i * 0.8),
+       CASE WHEN i % {unknown_every} = 0 THEN ({unknown_due_at})::timestamptz END
+FROM generate_series(1, {rows}) AS i
+"""
+
+
+# -- the code of each release ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Code:
+    """One release's code: where ``import flask_idempotency`` finds it, for a server or a
+    command started as its own process."""
+
+    label: str  #: "old" or "new", recorded with every execution
+    python_path: tuple[Path, ...]
+    #: the processes' working directory: Python puts it before PYTHONPATH (``-m``)
+    cwd: Path
+    #: the ``flask_idempotency/__init__.py`` a process of this release must import
+    init_file: Path
+
+    def env(self, store_url: str, **settings: str) -> dict[str, str]:
+        """The environment of a server or command of this release on the store."""
+        env = {
+            "PYTHONPATH": os.pathsep.join(map(str, self.python_path)),
+            "PYTHONUNBUFFERED": "1",
+            "RELEASE_NAME": self.label,
+            "RELEASE_EXECUTIONS_URL": store_url,
+            "FLASK_IDEMPOTENCY_DATABASE_URL": store_url,
+        }
+        env.update({f"FLASK_IDEMPOTENCY_{name.upper()}": value for name, value in settings.items()})
+        return env
+
+    def flask(self, env: dict[str, str], *args: str, timeout: float = 120) -> str:
+        """``flask --app tests.apps.release_app:create_app ARGS`` as a fresh process of this
+        release; its output (stdout and stderr). Fails the test on a non-zero exit."""
+        done = self.flask_run(env, *args, timeout=timeout)
+        assert done.returncode == 0, f"{self.label}: flask {' '.join(args)}:\n{done.stdout}"
+        return done.stdout
+
+    def check_imports(self) -> None:
+        """Assert that a process started as this release's commands are started imports this
+        release's code (the working directory and PYTHONPATH decide it, nothing else)."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "RELEASE_"))}
+        done = subprocess.run(
+            [sys.executable, "-c", "import flask_idempotency; print(flask_idempotency.__file__)"],
+            cwd=self.cwd,
+            env={**base, **self.env("")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        imported = Path(done.stdout.strip()).resolve()
+        assert imported == self.init_file, f"the {self.label} release's commands import {imported}"
+
+    def flask_run(
+        self, env: dict[str, str], *args: str, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        process = self.flask_start(env, *args)
+        output, _ = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+    def flask_start(self, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+        """The command started (its output in ``communicate()``): one that can run while the
+        test goes on."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "RELEASE_"))}
+        return subprocess.Popen(
+            [sys.executable, "-m", "flask", "--app", CLI_APP, *args],
+            cwd=self.cwd,
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+
+@pytest.fixture
+def list_unknown() -> Iterator[Callable[[Code, str], subprocess.Popen[str]]]:
+    """``list_unknown(code, store)``: ``flask idempotency-list --status unknown`` of *code*,
+    started (to run while the test goes on); one still running at teardown is killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(code: Code, store: str) -> subprocess.Popen[str]:
+        args = ("idempotency-list", "--status", "unknown", "--limit", "10000")
+        started.append(code.flask_start(code.env(store), *args))
+        return started[-1]
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
+
+
+def new_code() -> Code:
+    """This release: the code the test process imports (the checkout, or in CI the wheel)."""
+    init_file = Path(flask_idempotency.__file__ or "").resolve()
+    return Code("new", (ROOT,), ROOT, init_file)
+
+
+@pytest.fixture(scope="session")
+def old_code(tmp_path_factory: pytest.TempPathFactory) -> Callable[[OldRelease], Code]:
+    """``old_code(release)``: the release's ``flask_idempotency/`` taken from git (once per
+    session), as a :class:`Code` that imports it."""
+    taken: dict[str, Code] = {}
+
+    def take(release: OldRelease) -> Code:
+        if release.commit not in taken:
+            root = extract(release.commit, tmp_path_factory.mktemp(f"release-{release.commit}"))
+            init_file = (root / "flask_idempotency" / "__init__.py").resolve()
+            code = taken[release.commit] = Code("old", (root, ROOT), root, init_file)
+            code.check_imports()
+        return taken[release.commit]
+
+    return take
+
+
+@pytest.fixture(scope="session")
+def new_layout(database_url: str) -> Layout:
+    """The indexes and columns this release gives a table it creates, read from a table it
+    created (``flask idempotency-init`` in a scratch database), not from its source: what the
+    upgrade of an old table must reach."""
+    new_code().check_imports()
+    with scratch_database(database_url) as url:
+        new_code().flask(new_code().env(url), "idempotency-init")
+        with psycopg.connect(url, autocommit=True) as conn:
+            return layout(conn)
+
+
+@contextmanager
+def scratch_database(database_url: str, template: str | None = None) -> Iterator[str]:
+    """A database of its own (a copy of *template*, or empty), dropped afterwards."""
+    name = f"releases_{uuid.uuid4().hex[:10]}"
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(create)
+    try:
+        yield with_dbname(database_url, name)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+            admin.execute(drop.format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def old_tables(
+    database_url: str, old_code: Callable[[OldRelease], Code]
+) -> Iterator[Callable[[OldRelease], tuple[str, Layout]]]:
+    """``old_tables(release)``: a database (the name) holding the table as *release* made it,
+    filled (:func:`prepare_old_table`), and its layout; made once per session, and copied by
+    each test (``CREATE DATABASE ... TEMPLATE``: far cheaper than making it again)."""
+    made: dict[str, tuple[str, Layout]] = {}
+    with ExitStack() as stack:
+
+        def make(release: OldRelease) -> tuple[str, Layout]:
+            if release.commit not in made:
+                url = stack.enter_context(scratch_database(database_url))
+                with psycopg.connect(url, autocommit=True) as db:
+                    old_layout = prepare_old_table(db, url, old_code(release), release)
+                made[release.commit] = (str(conninfo_to_dict(url)["dbname"]), old_layout)
+            return made[release.commit]
+
+        yield make
+
+
+@pytest.fixture
+def store(
+    database_url: str,
+    release: OldRelease,
+    old_tables: Callable[[OldRelease], tuple[str, Layout]],
+) -> Iterator[tuple[str, Layout]]:
+    """The URL of a fresh database for one test, holding the table as *release* made it
+    (with BULK_KEYS keys), and that table's layout."""
+    template, old_layout = old_tables(release)
+    with scratch_database(database_url, template) as url:
+        yield url, old_layout
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The keys table's valid indexes and its columns."""
+
+    indexes: frozenset[str]
+    columns: frozenset[str]
+
+
+def layout(db: DB) -> Layout:
+    indexes = db.execute(
+        "SELECT c.relname FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
+        " WHERE i.indrelid = to_regclass(%s) AND i.indisvalid",
+        (TABLE,),
+    ).fetchall()
+    columns = db.execute(
+        "SELECT attname FROM pg_attribute"
+        " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+        (TABLE,),
+    ).fetchall()
+    return Layout(frozenset(r[0] for r in indexes), frozenset(r[0] for r in columns))
+
+
+def prepare_old_table(db: DB, store: str, old: Code, release: OldRelease) -> Layout:
+    """The table as the old release makes it (its own ``flask idempotency-init``), filled with
+    BULK_KEYS keys in its column layout; the executions tables. The old layout."""
+    output = old.flask(old.env(store), "idempotency-init")
+    assert f"created table {TABLE}" in output, output
+    made = layout(db)
+    if release.commit == "f804229":  # its layout: indexes on columns the finish changes
+        suffixes = ("expires_idx", "lease_idx", "unknown_idx", "complete_idx")
+        assert {f"{TABLE}_{suffix}" for suffix in suffixes} <= made.indexes, made
+    fill = sql.SQL(BULK).format(
+        table=sql.Identifier(TABLE),
+        rows=sql.Literal(BULK_KEYS),
+        unknown_every=sql.Literal(BULK_UNKNOWN_EVERY),
+        unknown_due_at=sql.SQL(release.unknown_due_at),
+    )
+    db.execute(fill)
+    db.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(TABLE)))
+    create_tables(store)
+    return made
+
+
+def bulk_unknown() -> set[tuple[str, str]]:
+    """The bulk keys that are ``unknown`` (as the BULK statement makes them)."""
+    return {
+        (f"bulk{i % 10}", f"bulk-{i}")
+        for i in range(BULK_UNKNOWN_EVERY, BULK_KEYS + 1, BULK_UNKNOWN_EVERY)
+    }
+
+
+# -- findings ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Findings:
+    """Violations of the contract, gathered so that one run reports all of them, and the
+    run's timeline (seconds since the test began, step), printed with them."""
+
+    items: list[str] = field(default_factory=list)
+    timeline: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    timed_out: bool = False
+
+    def add(self, message: str) -> None:
+        self.items.append(message)
+
+    def step(self, what: str) -> None:
+        self.timeline.append(f"{time.monotonic() - self.started:.1f} s {what}")
+
+    def wait(self, condition: Callable[[], Any], timeout: float, what: str) -> bool:
+        """Wait (bounded) for a condition the product must reach; a finding if it does not.
+        Once a wait timed out, the next ones are short: the product is stuck, and the test
+        only goes on to find out what else is wrong, within pytest's timeout."""
+        self.step(f"waiting for {what}")
+        if self.timed_out:
+            timeout = min(timeout, STUCK_TIMEOUT)
+        try:
+            wait_until(condition, timeout, what, step=0.05)
+        except AssertionError as exc:
+            self.timed_out = True
+            self.add(str(exc))
+            return False
+        return True
+
+    def check(self, traffic: Traffic, marked: Collection[str] = ()) -> None:
+        self.step("checked")
+        # what the run did, for -rA and for a failure's report
+        print(
+            f"{len(traffic.answers)} answers: {summary(traffic.answers)};"
+            f" retries old->new {traffic.crossed('old', 'new')},"
+            f" new->old {traffic.crossed('new', 'old')}; made unknown: {sorted(marked)}"
+        )
+        assert not self.items, "\n".join(f"- {item}" for item in self.items)
+
+
+@pytest.fixture
+def findings() -> Iterator[Findings]:
+    """The test's findings; its timeline is printed at teardown (shown with a failure, also
+    one that stopped the test before its end)."""
+    found = Findings()
+    yield found
+    print("\n".join(["timeline:", *found.timeline, "findings:", *found.items]))
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Serving:
+    """One release under its own gunicorn."""
+
+    code: Code
+    server: GunicornServer
+
+    @property
+    def label(self) -> str:
+        return self.code.label
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+def serve(
+    start_gunicorn: Callable[..., GunicornServer],
+    code: Code,
+    store: str,
+    findings: Findings,
+    workers: int,
+    **settings: str,
+) -> Serving:
+    """Start *code* under gunicorn on the store, and check that it imports that code."""
+    findings.step(f"starting the {code.label} release")
+    # --preload: the workers fork from a master that imported the app (no connection is
+    # opened before the fork): they start, and a killed one comes back, without importing
+    # everything again on a machine that the test already keeps busy
+    server = start_gunicorn(
+        APP,
+        env=code.env(store, **settings),
+        workers=workers,
+        preload=True,
+        ready_path="/health",
+        cwd=code.cwd,
+    )
+    status, body = get(server.port, "/release")
+    assert status == 200, body
+    imported = Path(json.loads(body)["file"]).resolve()
+    assert imported == code.init_file, f"the {code.label} server imports {imported}"
+    findings.step(f"the {code.label} release serves")
+    return Serving(code, server)
+
+
+def stop(*servers: Serving) -> None:
+    """Stop the servers together (each takes a moment to let its workers go)."""
+    threads = [threading.Thread(target=s.server.stop) for s in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
+# -- traffic ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request of the traffic and what came back (status 0: no answer, see *kind*)."""
+
+    tenant: str
+    key: str
+    release: str  #: the release that answered
+    status: int
+    body: bytes
+    replayed: bool
+    kind: str  #: the problem type's last part, or the error, or ""
+    retry_of: str | None  #: for a retry: the release that gave the first answer
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A key answered fresh: what its retries send."""
+
+    tenant: str
+    key: str
+    amount: int
+    release: str
+
+
+def problem_kind(status: int, headers: http.client.HTTPMessage, body: bytes) -> str:
+    if not (headers.get("Content-Type") or "").startswith("application/problem+json"):
+        return "" if status < 400 else body[:120].decode(errors="replace")
+    try:
+        return str(json.loads(body)["type"]).rsplit(":", 1)[-1].rsplit("/", 1)[-1]
+    except (ValueError, KeyError):
+        return body[:120].decode(errors="replace")
+
+
+class Traffic:
+    """Client threads sending new keys and retries of answered keys to every release that
+    serves; a retry goes to another release than the one that answered first whenever two
+    serve. Every answer is kept."""
+
+    def __init__(self) -> None:
+        self.servers: list[Serving] = []
+        self.answers: list[Answer] = []
+        #: keys answered fresh, by the release that answered
+        self.answered: dict[str, list[Sent]] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True, name=f"client-{i}")
+            for i in range(CLIENTS)
+        ]
+
+    def add(self, serving: Serving) -> None:
+        with self.lock:
+            self.servers.append(serving)
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in self.threads), "a client thread hangs"
+
+    def count(self, condition: Callable[[Answer], bool]) -> int:
+        with self.lock:
+            return sum(1 for answer in self.answers if condition(answer))
+
+    def crossed(self, first: str, then: str) -> int:
+        """Retries sent to *then* of keys that *first* answered."""
+        return self.count(lambda a: a.retry_of == first and a.release == then)
+
+    def _client(self, index: int) -> None:
+        rng = random.Random(index)
+        for n in range(MAX_REQUESTS):
+            if self.stop.is_set():
+                return
+            with self.lock:
+                servers = list(self.servers)
+                # a release first, then one of its keys: retries cross both ways as often,
+                # however long each release has served
+                answered = [keys for keys in self.answered.values() if keys]
+                earlier = rng.choice(rng.choice(answered)) if answered else None
+            if earlier is not None and rng.random() < RETRY_SHARE:
+                others = [s for s in servers if s.label != earlier.release] or servers
+                self._send(rng.choice(others), earlier, retry_of=earlier.release)
+            else:
+                tenant = rng.choice("abc")
+                sent = Sent(tenant, f"k{index}-{n}-{uuid.uuid4().hex[:8]}", n, "")
+                self._send(servers[n % len(servers)], sent, retry_of=None)
+            self.stop.wait(0.005)
+
+    def _send(self, serving: Serving, sent: Sent, retry_of: str | None) -> None:
+        try:
+            response = post(
+                serving.port,
+                "/pay",
+                sent.key,
+                {"amount": sent.amount},
+                headers={"X-Tenant": sent.tenant},
+                timeout=30,
+            )
+        except (OSError, http.client.HTTPException) as exc:
+            answer = Answer(
+                sent.tenant, sent.key, serving.label, 0, b"", False, repr(exc), retry_of
+            )
+        else:
+            kind = problem_kind(response.status, response.headers, response.body)
+            answer = Answer(
+                sent.tenant,
+                sent.key,
+                serving.label,
+                response.status,
+                response.body,
+                response.replayed,
+                kind,
+                retry_of,
+            )
+        with self.lock:
+            self.answers.append(answer)
+            if retry_of is None and answer.status == 201 and not answer.replayed:
+                sent = Sent(sent.tenant, sent.key, sent.amount, serving.label)
+                self.answered.setdefault(serving.label, []).append(sent)
+
+
+def summary(answers: list[Answer]) -> str:
+    counts = Counter((a.release, a.status, a.kind[:100]) for a in answers)
+    return "; ".join(
+        f"{n} × {status}{' ' + kind if kind else ''} from {r}"
+        for (r, status, kind), n in counts.most_common()
+    )
+
+
+def check_answers(traffic: Traffic, findings: Findings) -> None:
+    """No 5xx, nothing but the view's 201 and its replays, no key answered fresh twice, and
+    every replay the first answer byte for byte, whichever release replays it."""
+    answers = traffic.answers
+    failed = [a for a in answers if a.status == 0 or a.status >= 500]
+    if failed:
+        findings.add(f"{len(failed)} of {len(answers)} answers 5xx or none: {summary(failed)}")
+    odd = [a for a in answers if 0 < a.status < 500 and a.status != 201]
+    if odd:
+        findings.add(f"{len(odd)} answers neither the view's 201 nor its replay: {summary(odd)}")
+    first: dict[tuple[str, str], Answer] = {}
+    twice, differ = [], []
+    for answer in answers:
+        if answer.status != 201:
+            continue
+        key = (answer.tenant, answer.key)
+        if not answer.replayed:
+            if key in first:
+                twice.append(answer)
+            else:
+                first[key] = answer
+        elif key not in first or first[key].body != answer.body:
+            differ.append(answer)
+    if twice:
+        findings.add(f"{len(twice)} keys answered fresh (not replayed) twice: {summary(twice)}")
+    if differ:
+        example = differ[0]
+        findings.add(
+            f"{len(differ)} replays differ from the first answer: {summary(differ)}; e.g."
+            f" {example.key}: {example.body[:200]!r} vs"
+            f" {first.get((example.tenant, example.key), example).body[:200]!r}"
+        )
+
+
+def check_executions(db: DB, traffic: Traffic, findings: Findings) -> None:
+    """No key ran twice; and (the harness) every key answered fresh has its execution."""
+    twice = db.execute(
+        "SELECT tenant, key, string_agg(release || ':' || attempt, ',' ORDER BY at)"
+        " FROM executions GROUP BY tenant, key HAVING count(*) > 1 ORDER BY min(at)"
+    ).fetchall()
+    if twice:
+        findings.add(f"{len(twice)} keys ran more than once (release:attempt): {twice[:10]}")
+    executed = set(db.execute("SELECT tenant, key FROM executions").fetchall())
+    fresh = {(a.tenant, a.key) for a in traffic.answers if a.status == 201 and not a.replayed}
+    assert fresh, "the traffic got no fresh answer at all"
+    assert fresh <= executed, f"executions not recorded: {sorted(fresh - executed)[:5]}"
+
+
+# -- unknown keys -----------------------------------------------------------------------------
+
+
+def make_unknown(db: DB, pairs: list[tuple[Serving, Serving]], findings: Findings) -> set[str]:
+    """Keys left ``unknown``, one per (held, retry) pair, all at once: a request of the
+    ``on_abandoned="unknown"`` route held in the view on *held*, its worker killed (``kill
+    -9``), its one-second lease over, then a retry through *retry*, which must answer 409
+    ``outcome-unknown``. The keys so marked."""
+    findings.step("making keys unknown: " + ", ".join(f"{h.label}/{r.label}" for h, r in pairs))
+    held = {f"unknown-{h.label}-{uuid.uuid4().hex[:8]}": (h, r) for h, r in pairs}
+    answered: dict[str, Response] = {}  # a held request must not get an answer
+    died: dict[str, BaseException] = {}
+
+    def hold(key: str) -> None:
+        headers = {"X-Tenant": UNKNOWN_TENANT, "X-Gate": key}
+        try:
+            answered[key] = post(
+                held[key][0].port, "/risky", key, {"amount": 1}, headers=headers, timeout=60
+            )
+        except (OSError, http.client.HTTPException) as exc:
+            died[key] = exc  # the worker died under it: what this is for
+
+    threads = [threading.Thread(target=hold, args=(key,), daemon=True) for key in held]
+    for thread in threads:
+        thread.start()
+
+    def in_the_view() -> dict[str, int]:
+        rows = db.execute(
+            "SELECT key, pid FROM executions WHERE tenant = %s AND key = ANY(%s)",
+            (UNKNOWN_TENANT, list(held)),
+        ).fetchall()
+        return dict(rows)
+
+    # every held request in its view, or answered without running it (the product's failure)
+    wait_until(lambda: len(in_the_view().keys() | answered.keys()) == len(held), 30, "held views")
+    pids = {key: pid for key, pid in in_the_view().items() if key not in answered}
+    for key, answer in answered.items():
+        findings.add(
+            f"the request of {key} to {held[key][0].label}, to be held in its view, answered"
+            f" {answer.status} {problem_kind(answer.status, answer.headers, answer.body)}"
+        )
+    for key, pid in pids.items():
+        server = held[key][0].server
+        assert pid in server.worker_pids(), (key, pid)  # only our own servers' workers
+        os.kill(pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(30)
+    assert set(died) == set(pids), f"held requests answered: {set(pids) - set(died)}"
+    for serving in {id(h): h for h, _ in pairs}.values():
+        serving.server.wait_for_workers(timeout=30, exclude=set(pids.values()))
+    keys = list(pids)
+
+    def lease_over() -> bool:
+        row = db.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {} WHERE tenant = %s AND key = ANY(%s)"
+                " AND status = 'processing' AND locked_until <= now()"
+            ).format(sql.Identifier(TABLE)),
+            (UNKNOWN_TENANT, keys),
+        ).fetchone()
+        return row is not None and row[0] == len(keys)
+
+    wait_until(lease_over, 15, "the held keys' one-second lease to run out")
+    marked = set()
+    for key in keys:
+        holder, retry = held[key]
+        answer = post(retry.port, "/risky", key, {"amount": 1}, headers={"X-Tenant": "u"})
+        kind = problem_kind(answer.status, answer.headers, answer.body)
+        if answer.status == 409 and kind == "outcome-unknown":
+            marked.add(key)
+        else:
+            findings.add(
+                f"the retry of {key} (held on {holder.label}, killed) through {retry.label}"
+                f" answered {answer.status} {kind}, not 409 outcome-unknown"
+            )
+    return marked
+
+
+def unknown_gauge(serving: Serving) -> float | str:
+    """The ``idempotency_stuck_keys{state="unknown"}`` gauge a worker of *serving* reports,
+    or what it answered instead."""
+    status, body = get(serving.port, "/metrics")
+    match = re.search(rb'^idempotency_stuck_keys\{state="unknown"\} (\S+)$', body, re.M)
+    if status != 200 or match is None:
+        return f"{status} without the gauge: {body[-300:]!r}"
+    return float(match.group(1))
+
+
+def count_and_reconcile(
+    db: DB,
+    store: str,
+    servers: list[Serving],
+    marked: set[str],
+    listing: subprocess.Popen[str],
+    findings: Findings,
+) -> None:
+    """The new release sees every unknown key (*listing*: its ``flask idempotency-list
+    --status unknown``, started once the last key was marked; its gauge), its reconciler
+    command (a fresh process) settles all of them, and both releases then replay what it
+    stored."""
+    findings.step("counting unknown keys")
+    new = next(s for s in servers if s.label == "new")
+    expected = bulk_unknown() | {(UNKNOWN_TENANT, key) for key in marked}
+    unknown = set(
+        db.execute(
+            sql.SQL("SELECT tenant, key FROM {} WHERE status = 'unknown'").format(
+                sql.Identifier(TABLE)
+            )
+        ).fetchall()
+    )
+    if unknown != expected:
+        findings.add(
+            f"unknown keys: {len(unknown)} in the table, {len(expected)} made unknown"
+            f" (extra: {sorted(unknown - expected)[:5]}, missing: {sorted(expected - unknown)[:5]})"
+        )
+    output, _ = listing.communicate(timeout=120)
+    listed = {key for _, key in expected if key in output.split()}
+    if listing.returncode != 0:
+        findings.add(f"idempotency-list exited {listing.returncode}: {output[-1500:]}")
+    elif listed != {key for _, key in expected}:
+        missing = sorted({key for _, key in expected} - listed)
+        findings.add(
+            f"the new release's idempotency-list --status unknown misses {len(missing)} of"
+            f" {len(expected)} unknown keys: {missing[:5]}"
+        )
+    gauge = unknown_gauge(new)
+    if gauge != len(expected):
+        findings.add(
+            f'the new release\'s idempotency_stuck_keys{{state="unknown"}} is {gauge},'
+            f" {len(expected)} keys are unknown"
+        )
+    findings.step("reconciling")
+    done = new.code.flask_run(new.code.env(store), "idempotency-reconcile", "--limit", "1000")
+    if done.returncode != 0:
+        findings.add(f"idempotency-reconcile exited {done.returncode}: {done.stdout[-1500:]}")
+    left = db.execute(
+        sql.SQL("SELECT tenant, key, reconcile_due_at FROM {} WHERE status = 'unknown'").format(
+            sql.Identifier(TABLE)
+        )
+    ).fetchall()
+    if left:
+        findings.add(
+            f"{len(left)} unknown keys left after the new release's idempotency-reconcile"
+            f" (tenant, key, reconcile_due_at): {left[:5]}"
+        )
+    findings.step("replaying the reconciled keys")
+    for key in sorted(marked - {key for _, key, _ in left}):
+        bodies = set()
+        for serving in servers:
+            answer = post(serving.port, "/risky", key, {"amount": 1}, headers={"X-Tenant": "u"})
+            if answer.status == 200 and answer.replayed and b"reconciled" in answer.body:
+                bodies.add(answer.body)
+            else:
+                findings.add(
+                    f"reconciled {key} through {serving.label}: {answer.status}"
+                    f" replayed={answer.replayed} {answer.body[:200]!r}"
+                )
+        if len(bodies) > 1:
+            findings.add(f"reconciled {key} replays differently by release: {bodies}")
+
+
+def check_indexes(db: DB, kept: frozenset[str], whose: str, when: str, findings: Findings) -> None:
+    gone = kept - layout(db).indexes
+    if gone:
+        findings.add(f"{when}, {whose} indexes are gone (or invalid): {sorted(gone)}")
+
+
+def upgraded(db: DB, new_layout: Layout) -> Callable[[], bool]:
+    """Whether the table has every index (valid) and column of the new release's layout."""
+
+    def check() -> bool:
+        now = layout(db)
+        return new_layout.indexes <= now.indexes and new_layout.columns <= now.columns
+
+    return check
+
+
+#: a statement of schema work (or of the upgrade's backfill of unknown keys)
+SCHEMA_WORK = re.compile(r"\s*(CREATE|DROP|ALTER|UPDATE\s+\S+\s+SET\s+reconcile_due_at)", re.I)
+#: how long no schema work may run before the schema counts as settled
+SETTLED_FOR = 0.5
+
+
+def settled(db: DB) -> Callable[[], bool]:
+    """Whether no session of the store's database has run schema work, or waited for a lock,
+    for SETTLED_FOR seconds: what a process start does to the table is over, whatever it is
+    (a step of it may come after the new layout exists: the backfill, dropping indexes)."""
+    quiet_since: list[float] = []
+
+    def check() -> bool:
+        rows = db.execute(
+            "SELECT query, wait_event_type FROM pg_stat_activity WHERE datname ="
+            " current_database() AND pid <> pg_backend_pid() AND state = 'active'"
+        ).fetchall()
+        if any(SCHEMA_WORK.match(query or "") or wait == "Lock" for query, wait in rows):
+            quiet_since.clear()
+            return False
+        if not quiet_since:
+            quiet_since.append(time.monotonic())
+        return time.monotonic() - quiet_since[0] >= SETTLED_FOR
+
+    return check
+
+
+# -- the scenarios ------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=RELEASES, ids=[r.commit for r in RELEASES])
+def release(request: pytest.FixtureRequest) -> OldRelease:
+    release: OldRelease = request.param
+    return release
+
+
+def test_upgrade_new_release_starts_beside_the_old_one(
+    release: OldRelease,
+    old_code: Callable[[OldRelease], Code],
+    new_layout: Layout,
+    store: tuple[str, Layout],
+    start_gunicorn: Callable[..., GunicornServer],
+    findings: Findings,
+    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
+) -> None:
+    """The old release serves its table under traffic; the new one starts beside it on the
+    same table (4 workers, their first requests upgrade it) while retries cross releases;
+    then the old release marks keys ``unknown``, beside the upgraded new one."""
+    (url, old_layout), old_release, new_release = store, old_code(release), new_code()
+    with psycopg.connect(url, autocommit=True) as db:
+        old = serve(start_gunicorn, old_release, url, findings, workers=3)
+        traffic = Traffic()
+        traffic.add(old)
+        traffic.start()
+        try:
+            wait_until(lambda: traffic.count(lambda a: a.status == 201) >= 40, 30, "old answers")
+            new = serve(start_gunicorn, new_release, url, findings, workers=4)
+            traffic.add(new)
+            findings.wait(upgraded(db, new_layout), PHASE_TIMEOUT, "the new release's layout")
+            findings.wait(settled(db), PHASE_TIMEOUT, "the new release's schema work to end")
+            check_indexes(
+                db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
+            )
+            marked = make_unknown(db, [(old, old), (old, old)], findings)
+            listing = list_unknown(new_release, url)
+            findings.wait(
+                lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
+                PHASE_TIMEOUT,
+                "20 retries crossing releases each way",
+            )
+        finally:
+            traffic.finish()
+        check_indexes(db, old_layout.indexes, "the old release's", "at the end", findings)
+        check_indexes(db, new_layout.indexes, "the new release's", "at the end", findings)
+        check_answers(traffic, findings)
+        check_executions(db, traffic, findings)
+        count_and_reconcile(db, url, [old, new], marked, listing, findings)
+        stop(old, new)
+    findings.check(traffic, marked)
+
+
+def test_rollback_old_release_starts_beside_the_new_one(
+    release: OldRelease,
+    old_code: Callable[[OldRelease], Code],
+    new_layout: Layout,
+    store: tuple[str, Layout],
+    start_gunicorn: Callable[..., GunicornServer],
+    findings: Findings,
+    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
+) -> None:
+    """The new release serves (it upgraded the old release's table on its first requests);
+    the old one starts again beside it; both mark keys ``unknown``, and neither undoes the
+    other's DDL."""
+    (url, old_layout), old_release, new_release = store, old_code(release), new_code()
+    with psycopg.connect(url, autocommit=True) as db:
+        new = serve(start_gunicorn, new_release, url, findings, workers=4)
+        traffic = Traffic()
+        traffic.add(new)
+        traffic.start()
+        try:
+            findings.wait(upgraded(db, new_layout), PHASE_TIMEOUT, "the new release's layout")
+            findings.wait(settled(db), PHASE_TIMEOUT, "the new release's schema work to end")
+            check_indexes(
+                db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
+            )
+            new_indexes = new_layout.indexes & layout(db).indexes  # those it has built
+            old = serve(start_gunicorn, old_release, url, findings, workers=3)
+            traffic.add(old)
+            findings.wait(settled(db), PHASE_TIMEOUT, "the old release's schema work to end")
+            marked = make_unknown(db, [(new, new), (new, old), (old, old), (old, new)], findings)
+            listing = list_unknown(new_release, url)
+            findings.wait(
+                lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
+                PHASE_TIMEOUT,
+                "20 retries crossing releases each way",
+            )
+        finally:
+            traffic.finish()
+        check_indexes(
+            db, new_indexes, "the new release's", "after the old release started again", findings
+        )
+        check_indexes(db, old_layout.indexes, "the old release's", "at the end", findings)
+        check_answers(traffic, findings)
+        check_executions(db, traffic, findings)
+        count_and_reconcile(db, url, [old, new], marked, listing, findings)
+        stop(old, new)
+    findings.check(traffic, marked)
+
+
+def test_upgrade_with_fail_open_runs_nothing_twice(
+    release: OldRelease,
+    old_code: Callable[[OldRelease], Code],
+    new_layout: Layout,
+    store: tuple[str, Layout],
+    start_gunicorn: Callable[..., GunicornServer],
+    findings: Findings,
+) -> None:
+    """The upgrade's start again, both releases with IDEMPOTENCY_FAIL_OPEN: schema work that
+    fails or waits must never count as an outage that runs views unprotected."""
+    (url, _), old_release, new_release = store, old_code(release), new_code()
+    with psycopg.connect(url, autocommit=True) as db:
+        old = serve(start_gunicorn, old_release, url, findings, workers=3, fail_open="true")
+        traffic = Traffic()
+        traffic.add(old)
+        traffic.start()
+        try:
+            wait_until(lambda: traffic.count(lambda a: a.status == 201) >= 40, 30, "old answers")
+            new = serve(start_gunicorn, new_release, url, findings, workers=4, fail_open="true")
+            traffic.add(new)
+            findings.wait(
+                lambda: (
+                    upgraded(db, new_layout)()
+                    and traffic.crossed("old", "new") >= 20
+                    and traffic.crossed("new", "old") >= 20
+                ),
+                PHASE_TIMEOUT,
+                "the new release's layout and 20 retries crossing releases each way",
+            )
+        finally:
+            traffic.finish()
+        check_answers(traffic, findings)
+        check_executions(db, traffic, findings)
+        stop(old, new)
+    findings.check(traffic)

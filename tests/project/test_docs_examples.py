@@ -1,0 +1,296 @@
+"""The documentation's Python examples run, against the suite's real PostgreSQL.
+
+Every ```` ```python ```` block of a page under ``docs/`` runs: the blocks of the pages of one
+entry of :data:`RUNS` run in order, in one module namespace, against a database of their own
+(``DATABASE_URL`` names it), as a reader following the page would run them. A block that is
+not meant to run says so on the line before it, with the reason:
+``<!-- not-runnable: a fragment of gunicorn.conf.py -->``. A Python block in any other form
+(``{code-block} python``) fails the check, so nothing escapes it by spelling.
+
+The testing how-to's example project (``docs/howto/testing_example``) runs as the reader runs
+it: ``python -m pytest`` in a directory of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask
+from psycopg import sql
+
+from flask_idempotency.testing.database import with_dbname
+from tests.support.gunicorn_server import ROOT
+
+DOCS = ROOT / "docs"
+#: pages whose blocks run together, in this order, in one namespace and one database
+RUNS: dict[str, list[str]] = {
+    "tutorial": ["tutorial/first-route.md", "tutorial/background.md"],
+    "metrics": ["howto/metrics.md"],
+    "pgbouncer": ["howto/pgbouncer.md"],
+    "openapi-cors": ["howto/openapi-cors.md"],
+    "browser-keys": ["howto/browser-keys.md"],
+    "fingerprint": ["howto/fingerprint.md"],
+    "client-answers": ["howto/client-answers.md"],
+    "calling": ["howto/calling.md"],
+    "encryption": ["howto/encryption.md"],
+    "console": ["howto/console.md"],
+    "ordered-jobs-and-results": ["howto/ordered-jobs-and-results.md"],
+    "views": ["howto/views.md"],
+    "auth": ["howto/auth.md"],
+    "flask-sqlalchemy": ["howto/flask-sqlalchemy.md"],
+    "validation": ["howto/validation.md"],
+    "webhooks": ["howto/webhooks.md"],
+}
+#: pages that are not part of the site (drafts) and are not checked
+NOT_PAGES: set[str] = set()
+
+FENCE = re.compile(r"^(`{3,}|~{3,})\s*(\S*)\s*(.*)$")
+NOT_RUNNABLE = re.compile(r"^<!-- not-runnable: \S.* -->$")
+PYTHON = {"python", "py", "python3", "pycon"}
+
+
+@dataclass
+class Block:
+    page: str
+    line: int  # of the first line of code, 1-based
+    code: str
+    runnable: bool
+
+
+def python_blocks(page: Path) -> Iterator[Block]:
+    """The Python code blocks of a Markdown page, each marked runnable or not."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    name = page.relative_to(DOCS).as_posix()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        fence, info, rest = opening.groups()
+        end = i + 1
+        while end < len(lines) and not lines[end].startswith(fence):
+            end += 1
+        language = info.strip("{}").lower()
+        if language in ("code-block", "code", "sourcecode"):
+            language = rest.split()[0].lower() if rest.split() else ""
+            assert language not in PYTHON, (
+                f"{name}:{i + 1}: write a Python example as ```python (marked with"
+                " <!-- not-runnable: why --> on the line before if it must not run)"
+            )
+        if language in PYTHON:
+            before = next((line for line in reversed(lines[:i]) if line.strip()), "")
+            marked = bool(NOT_RUNNABLE.match(before.strip()))
+            yield Block(name, i + 2, "\n".join(lines[i + 1 : end]) + "\n", not marked)
+        i = end + 1
+
+
+def site_pages() -> list[Path]:
+    return sorted(
+        p
+        for p in DOCS.rglob("*.md")
+        if "_build" not in p.parts and p.relative_to(DOCS).as_posix() not in NOT_PAGES
+    )
+
+
+def test_every_python_example_runs_or_says_why_not() -> None:
+    in_runs = {page for pages in RUNS.values() for page in pages}
+    missing = [p for pages in RUNS.values() for p in pages if not (DOCS / p).is_file()]
+    assert missing == [], f"RUNS names pages that do not exist: {missing}"
+    unrun = [
+        f"{block.page}:{block.line}"
+        for page in site_pages()
+        for block in python_blocks(page)
+        if block.runnable and block.page not in in_runs
+    ]
+    assert unrun == [], (
+        "Python examples that no test runs: add their page to RUNS, or mark them"
+        f" <!-- not-runnable: why -->: {unrun}"
+    )
+    for pages in RUNS.values():
+        for page in pages:
+            assert any(b.runnable for b in python_blocks(DOCS / page)), f"{page} runs nothing"
+
+
+def test_the_block_reader_sees_marks_and_spellings(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# t\n\n```python\nx = 1\n```\n\n<!-- not-runnable: a fragment -->\n```py\ny(\n```\n"
+        "\n````python\nz = '```'\n````\n",
+        encoding="utf-8",
+    )
+    global DOCS
+    saved, DOCS = DOCS, tmp_path
+    try:
+        blocks = list(python_blocks(page))
+        assert [(b.line, b.code, b.runnable) for b in blocks] == [
+            (4, "x = 1\n", True),
+            (9, "y(\n", False),
+            (13, "z = '```'\n", True),
+        ]
+        page.write_text("```{code-block} python\nx = 1\n```\n", encoding="utf-8")
+        with pytest.raises(AssertionError, match="write a Python example as"):
+            list(python_blocks(page))
+    finally:
+        DOCS = saved
+
+
+@pytest.fixture
+def page_database(database_url: str) -> Iterator[str]:
+    """A database of its own for one run of pages, dropped afterwards."""
+    name = f"docs_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield with_dbname(database_url, name)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_docs_examples_run(
+    run: str, page_database: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", page_database)
+    monkeypatch.chdir(tmp_path)  # files an example writes land here
+    apps: list[Flask] = []  # every app the pages make, bound to a name or not
+    make_flask = Flask.__init__
+
+    def recording_init(self: Flask, *args: Any, **kwargs: Any) -> None:
+        make_flask(self, *args, **kwargs)
+        apps.append(self)
+
+    monkeypatch.setattr(Flask, "__init__", recording_init)
+    module = types.ModuleType(f"docs_{run.replace('-', '_')}")
+    module.__file__ = str(tmp_path / f"{module.__name__}.py")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    try:
+        for page in RUNS[run]:
+            for block in python_blocks(DOCS / page):
+                if block.runnable:
+                    # padded so that a traceback names the page's own line numbers
+                    source = "\n" * (block.line - 1) + block.code
+                    exec(compile(source, str(DOCS / page), "exec"), module.__dict__)
+    finally:
+        for app in apps:
+            if "idempotency" in app.extensions:
+                app.extensions["idempotency"].store.close()
+            orm = app.extensions.get("sqlalchemy")
+            if orm is not None:  # a page's Flask-SQLAlchemy engines and their pools
+                with app.app_context():
+                    for engine in orm.engines.values():
+                        engine.dispose()
+
+
+def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str) -> None:
+    """``docs/howto/testing_example`` is a project's test directory: pytest passes in it."""
+    project = tmp_path / "project"
+    shutil.copytree(DOCS / "howto" / "testing_example", project)
+    # the plugin makes its own database on the page's server; this checkout's package (the
+    # suite's Python may have another installed), and its plugin by name unless an
+    # installed distribution declares the entry point already
+    env = {**os.environ, "IDEMPOTENCY_TEST_DATABASE_URL": page_database, "PYTHONPATH": str(ROOT)}
+    installed = any(
+        ep.value == "flask_idempotency.testing" for ep in entry_points(group="pytest11")
+    )
+    plugin = [] if installed else ["-p", "flask_idempotency.testing"]
+    done = subprocess.run(
+        # a basetemp of its own: pytest makes /tmp/pytest-of-<user> private again at every
+        # session's start, which would lock this session's PostgreSQL user out of it
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin]
+        + ["--basetemp", str(tmp_path / "basetemp")],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"\b[8-9] passed\b", done.stdout), done.stdout
+
+
+# -- the README, the project's front page -------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def test_front_page_is_short_and_starts_with_the_two_commands() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    first_block = text[text.index("```bash\n") + len("```bash\n") :].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == ["bash example/run", "bash .ci/run"]
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert links and missing == [], missing
+
+
+def test_front_page_links_every_page_of_the_site() -> None:
+    """The README's documentation list names every page of the site's toctrees."""
+    text = README.read_text(encoding="utf-8")
+    linked = {link.removeprefix("docs/") for link in re.findall(r"\]\((docs/[^)#]+\.md)\)", text)}
+    pages = {p.relative_to(DOCS).as_posix() for p in site_pages()} - {"index.md", "changes.md"}
+    assert sorted(pages - linked) == []
+
+
+# -- what the generated reference pages need from the code ---------------------------------
+# (the docs build fails on the same gaps; these say so in the suite, without Sphinx)
+
+
+def test_every_setting_says_what_it_means() -> None:
+    """Each field declared with ``option(...)`` in config.py has a ``#:`` comment: the
+    settings reference (docs/reference/settings.rst) prints it as the setting's meaning."""
+    import flask_idempotency.config as config
+
+    source = Path(config.__file__).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    declared, silent = [], []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for statement in node.body:
+            call = getattr(statement, "value", None)
+            if not (isinstance(statement, ast.AnnAssign) and isinstance(call, ast.Call)):
+                continue
+            if getattr(call.func, "id", None) != "option":
+                continue
+            name = getattr(statement.target, "id", "?")
+            declared.append(name)
+            if not lines[statement.lineno - 2].strip().startswith("#:"):
+                silent.append(config.config_key(name))
+    assert sorted(config.config_key(n) for n in declared) == sorted(config.DEFAULTS)
+    assert silent == [], f"settings without a '#:' line saying what they mean: {silent}"
+
+
+def test_every_public_name_has_documentation() -> None:
+    import flask_idempotency
+
+    undocumented = []
+    for name in flask_idempotency.__all__:
+        obj = getattr(flask_idempotency, name)
+        if isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            if not (obj.__doc__ or "").strip():
+                undocumented.append(name)
+        elif not any(
+            re.search(rf"^#: .*\n{re.escape(name)}\b", p.read_text(encoding="utf-8"), re.M)
+            for p in Path(flask_idempotency.__file__).parent.rglob("*.py")
+        ):
+            undocumented.append(name)  # a value: documented by a '#:' line above it
+    assert undocumented == []

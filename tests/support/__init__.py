@@ -1,0 +1,1 @@
+"""The harness the tests share."""

@@ -1,0 +1,343 @@
+"""Real gunicorn for the tests: a master process on a free loopback port, its workers, and a
+small HTTP client.
+
+:class:`GunicornServer` starts ``python -m gunicorn`` as a subprocess with several workers (any
+worker class, with or without ``--preload``), logs to a file, and tells the pids of its workers
+(so a test can ``kill -9`` one of them and watch the master respawn it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from flask_idempotency.testing.postgres import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBLEM = "application/problem+json"
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
+    """Poll *condition* until it returns something truthy (returned); fail after *timeout* s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+def ppid_of(pid: int) -> int | None:
+    """The parent pid of a live (not zombie) process, or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1])
+
+
+def children_of(pid: int) -> set[int]:
+    """The live child processes of *pid*."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and ppid_of(int(entry)) == pid:
+            found.add(int(entry))
+    return found
+
+
+def db_sockets(pid: int, db_port: int) -> int:
+    """How many TCP connections process *pid* has open to *db_port* on any host."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            remote_port = int(fields[2].split(":")[1], 16)
+            if remote_port == db_port and fields[9] in inodes:
+                count += 1
+    return count
+
+
+@dataclass
+class Response:
+    """An HTTP answer as the client got it."""
+
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+    sent: float = 0.0  #: time.monotonic() when the request was sent
+    received: float = 0.0  #: time.monotonic() when the whole answer was read
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("Idempotent-Replayed") == "true"
+
+    @property
+    def is_problem(self) -> bool:
+        return (self.headers.get("Content-Type") or "").startswith(PROBLEM)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def problem_type(self) -> str:
+        """The problem's ``type`` (asserting that this is a problem+json answer)."""
+        assert self.is_problem, (self.status, self.headers.items(), self.body[:500])
+        body = self.json()
+        assert body["status"] == self.status
+        return str(body["type"])
+
+    def stored_headers(self) -> list[tuple[str, str]]:
+        """The headers a replay must repeat: all but those of the connection and the replay."""
+        skip = {"date", "server", "connection", "x-worker-pid", "idempotent-replayed"}
+        return [(n.lower(), v) for n, v in self.headers.items() if n.lower() not in skip]
+
+
+def post(
+    port: int,
+    path: str,
+    key: str | None,
+    body: Any = None,
+    *,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 30,
+    connection: http.client.HTTPConnection | None = None,
+) -> Response:
+    """POST *body* (JSON) to 127.0.0.1:*port* with ``Idempotency-Key: key`` on a new
+    connection (or *connection*, already connected), closed afterwards."""
+    conn = connection or http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        all_headers["Idempotency-Key"] = key
+    try:
+        sent = time.monotonic()
+        conn.request("POST", path, body=json.dumps(body or {"amount": 100}), headers=all_headers)
+        answer = conn.getresponse()
+        data = answer.read()
+        return Response(answer.status, answer.msg, data, sent, time.monotonic())
+    finally:
+        conn.close()
+
+
+def race(
+    port: int, count: int, send: Callable[[int, http.client.HTTPConnection], Response]
+) -> list[Response]:
+    """Open *count* connections to *port*, then call ``send(i, connection)`` on each from its
+    own thread, all released at once by a barrier; the answers, in order of *i*."""
+    connections = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(count)]
+    results: list[Response | None] = [None] * count
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def client(i: int) -> None:
+        try:
+            barrier.wait(30)
+            results[i] = send(i, connections[i])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections[i].close()
+
+    try:
+        for connection in connections:
+            connection.connect()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+    finally:
+        for connection in connections:
+            connection.close()
+    assert not errors, errors
+    answers = [r for r in results if r is not None]
+    assert len(answers) == count, f"only {len(answers)} of {count} answers"
+    return answers
+
+
+class GunicornServer:
+    """``python -m gunicorn APP`` on a free port of 127.0.0.1, in a subprocess.
+
+    The environment is the test process's plus *env*; ``PYTHONPATH`` holds the repository
+    root, so ``tests.apps.e2e_app:create_app()`` and ``example.app:create_app()`` both load.
+    Output goes to *log_path*. Usable as a context manager.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        workers: int = 3,
+        worker_class: str = "sync",
+        threads: int = 1,
+        preload: bool = False,
+        config: Path | None = None,
+        timeout: int = 60,
+        ready_path: str | None = None,
+        extra_args: Sequence[str] = (),
+        cwd: Path | None = None,
+    ) -> None:
+        self.app = app
+        #: the processes' working directory: ``python -m`` puts it first on sys.path, before
+        #: PYTHONPATH (a previous release's code is served from its own directory)
+        self.cwd = cwd or ROOT
+        self.log_path = log_path
+        self.workers = workers
+        self.worker_class = worker_class
+        self.threads = threads
+        self.preload = preload
+        self.ready_path = ready_path
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        python_path = [str(ROOT)]
+        if os.environ.get("PYTHONPATH"):
+            python_path.append(os.environ["PYTHONPATH"])
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "E2E_"))},
+            "PYTHONPATH": os.pathsep.join(python_path),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.command = [sys.executable, "-m", "gunicorn"]
+        if config is not None:
+            self.command += ["-c", str(config)]
+        self.command += [
+            *("--workers", str(workers)),
+            *("--worker-class", worker_class),
+            *("--threads", str(threads)),
+            *("--bind", f"127.0.0.1:{self.port}"),
+            *("--timeout", str(timeout)),
+            *("--graceful-timeout", "5"),
+            *("--access-logfile", "/dev/null"),
+            *("--error-logfile", "-"),
+            *(["--preload"] if preload else []),
+            *extra_args,
+            app,
+        ]
+
+    @property
+    def pid(self) -> int:
+        """The master's pid."""
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60) -> None:
+        """Start the master and wait until it accepts connections (and, with *ready_path*,
+        until a worker answers a GET on it with 200)."""
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._ready():
+                    return
+            except OSError:
+                pass
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"gunicorn exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"gunicorn not ready after {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def _ready(self) -> bool:
+        socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        if self.ready_path is None:
+            return True
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", self.ready_path)
+            answer = conn.getresponse()
+            answer.read()
+            return answer.status == 200
+        finally:
+            conn.close()
+
+    def worker_pids(self) -> set[int]:
+        """The pids of the master's live workers."""
+        return children_of(self.pid)
+
+    def wait_for_workers(self, timeout: float = 30, exclude: set[int] | None = None) -> set[int]:
+        """Wait until the master has all its workers, none of them in *exclude*."""
+
+        def full() -> set[int] | None:
+            pids = self.worker_pids()
+            ok = len(pids) == self.workers and not (pids & (exclude or set()))
+            return pids if ok else None
+
+        pids: set[int] = wait_until(full, timeout, f"{self.workers} gunicorn workers")
+        return pids
+
+    def stop(self) -> None:
+        """SIGTERM the master and wait for it; SIGKILL it and its workers if it hangs."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            workers = self.worker_pids()
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                for pid in workers | {process.pid}:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                process.wait(10)
+        self.process = None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "(no log)"
+
+    def __enter__(self) -> GunicornServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+"""Helpers the tests share: requests, problem checks, execution counts, waiting."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from flask import Flask
+from flask.testing import FlaskClient
+from psycopg.rows import TupleRow
+from werkzeug.test import TestResponse
+
+from tests.support.gunicorn_server import ROOT, GunicornServer
+
+PROBLEM = "application/problem+json"
+DB = psycopg.Connection[TupleRow]
+T = TypeVar("T")
+EXAMPLE_CONFIG = ROOT / "example" / "gunicorn.conf.py"
+EXAMPLE_APP = "example.app:create_app()"
+
+
+def count(db: DB, query: str, *params: Any) -> int:
+    """The one integer *query* answers (a ``count(*)``, a sum)."""
+    row = db.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def executions(db: psycopg.Connection[TupleRow], key: str, tenant: str | None = None) -> int:
+    """How many times a view ran for *key* (in *tenant*, or in any tenant)."""
+    query = "SELECT count(*) FROM executions WHERE key = %s"
+    params: list[str] = [key]
+    if tenant is not None:
+        query += " AND tenant = %s"
+        params.append(tenant)
+    row = db.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def post(
+    client: FlaskClient, path: str, key: str | None, body: Any = None, **headers: str
+) -> TestResponse:
+    """POST *body* as JSON; ``X_Tenant="a"`` sends the header ``X-Tenant: a``."""
+    headers = {name.replace("_", "-"): value for name, value in headers.items()}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
+
+
+def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.data
+    assert response.mimetype == PROBLEM
+    body: dict[str, Any] = response.get_json()
+    assert body["status"] == status
+    assert body["type"].endswith(":" + slug)
+    assert body["title"] and body["detail"]
+    return body
+
+
+def run_together(count: int, request: Callable[[], TestResponse]) -> list[TestResponse]:
+    """Fire *count* requests from as many threads, released at once by a barrier."""
+    barrier = threading.Barrier(count)
+    results: list[TestResponse] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait(10)
+            results.append(request())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert len(results) == count
+    return results
+
+
+def wait_until(condition: Callable[[], T], timeout: float = 10) -> T:
+    """Poll *condition* until it returns something truthy, and return that; fail after
+    *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+    return value
+
+
+def lease_over(db: DB, key: str) -> Callable[[], bool]:
+    def check() -> bool:
+        row = db.execute(
+            "SELECT locked_until <= now() FROM idempotency_keys WHERE key = %s", (key,)
+        ).fetchone()
+        return bool(row and row[0])
+
+    return check
+
+
+def hold_first(
+    app: Flask, key: str, path: str = "/payments"
+) -> tuple[threading.Thread, threading.Event, dict[str, TestResponse]]:
+    entered, proceed = app.extensions["test_gates"].add(key)
+    results: dict[str, TestResponse] = {}
+    thread = threading.Thread(
+        target=lambda: results.update(first=post(app.test_client(), path, key, X_Gate=key))
+    )
+    thread.start()
+    assert entered.wait(10)
+    return thread, proceed, results
+
+
+def create_example_tables(db: DB) -> None:
+    """The example's tables, made before its workers start (each worker would otherwise
+    create them on its first request, and workers starting together could race)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    app = importlib.import_module("example.app")
+    provider = importlib.import_module("example.provider")
+    db.execute(app.PAYMENTS)
+    db.execute(provider.SCHEMA)
+    db.execute(importlib.import_module("example.jobs").RECEIPTS)
+
+
+def start_example(
+    start_gunicorn: Callable[..., GunicornServer],
+    database_url: str,
+    db: DB,
+    latency: float,
+    **env: str,
+) -> GunicornServer:
+    create_example_tables(db)
+    return start_gunicorn(
+        EXAMPLE_APP,
+        config=EXAMPLE_CONFIG,
+        env={"DATABASE_URL": database_url, "EXAMPLE_PROVIDER_LATENCY": str(latency), **env},
+        workers=3,
+        worker_class="sync",
+    )

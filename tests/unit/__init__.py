@@ -1,0 +1,1 @@
+"""Tests in one process: Flask's test client against a real PostgreSQL."""
