@@ -106,7 +106,7 @@ def test_a_twin_during_the_view_gets_409_and_sees_no_order(orm_app: Flask, db: D
 
 
 def test_outside_transactional_views_db_session_is_untouched(orm_app: Flask, db: DB) -> None:
-    import orm_app as module
+    from tests.apps import orm_app as module
 
     made = post(orm_app, "/plain-orders", None)
     assert made.status_code == 201
@@ -143,12 +143,12 @@ def test_autogenerate_proposes_nothing_for_the_extensions_tables(
 ) -> None:
     """Alembic's autogenerate, comparing the app's models with a database that also holds
     the extension's tables, proposes no operation on them with the documented hook."""
-    import orm_app as module
     import sqlalchemy as sa
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
     from flask_idempotency.sqlalchemy import include_object
+    from tests.apps import orm_app as module
 
     post(orm_app, "/orders", f"orm-{uuid.uuid4()}")  # the extension's tables exist now
     engine = sa.create_engine(psycopg_url(database_url))
