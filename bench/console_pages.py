@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -22,14 +21,10 @@ from typing import Any
 import psycopg
 from flask import Flask
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pgserver import PostgresServer  # noqa: E402
-
-from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.state import get_state  # noqa: E402
-from flask_idempotency.store.operations import Operations  # noqa: E402
+from flask_idempotency import Idempotency
+from flask_idempotency.state import get_state
+from flask_idempotency.store.operations import Operations
+from flask_idempotency.testing.postgres import PostgresServer
 
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
