@@ -37,7 +37,7 @@ import uuid
 from typing import Any
 
 import psycopg
-from flask import Flask, Response, make_response, request
+from flask import Flask, Response, jsonify, make_response, request
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
@@ -225,7 +225,7 @@ def create_app(database_url: str | None = None, exec_dir: str | None = None) -> 
             if row is not None:
                 return stored_answer(row)
             payload, code = order(route, conn) if with_order else work(route)
-            response = app.json.response(payload)
+            response = jsonify(payload)  # app.json.response, typed as flask's Response
             response.status_code = code
             conn.execute(
                 "UPDATE handrolled_keys SET status = 'completed', response_status = %s,"

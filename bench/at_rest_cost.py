@@ -28,7 +28,7 @@ from flask_idempotency.encryption import Fernet
 from flask_idempotency.model import StoredResponse
 from flask_idempotency.store.sealing import AtRest
 
-RESPONSE = {
+RESPONSE: dict[str, Any] = {
     "id": "pay_" + "7" * 24,
     "object": "payment",
     "amount": 125_000,

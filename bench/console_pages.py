@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -22,14 +21,10 @@ from typing import Any
 import psycopg
 from flask import Flask
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pgserver import PostgresServer  # noqa: E402
-
-from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.state import get_state  # noqa: E402
-from flask_idempotency.store.operations import Operations  # noqa: E402
+from flask_idempotency import Idempotency
+from flask_idempotency.state import get_state
+from flask_idempotency.store.operations import Operations
+from flask_idempotency.testing.postgres import PostgresServer
 
 LOAD = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
@@ -137,9 +132,11 @@ def time_sweeps(app: Flask, url: str, runs: int) -> None:
     with app.app_context():
         state = get_state()
         maintenance = state.maintenance
+        # as idempotency-clean --dry-run counts: the app-wide policy for claims that recorded none
+        default = state.settings.route.on_abandoned
         sweeps = {
             "stuck keys (scrape)": lambda: maintenance.count_stuck(10),
-            "abandoned claims": lambda: maintenance.count_abandoned(timedelta(seconds=60)),
+            "abandoned claims": lambda: maintenance.count_abandoned(timedelta(seconds=60), default),
             "expired keys": maintenance.count_expired,
             "backlog (scrape)": maintenance.count_backlog,
         }
@@ -193,7 +190,8 @@ def main() -> None:
             with app.app_context():
                 figures = Operations(app.extensions["idempotency"].store).overview(10)
             log("overview: " + ", ".join(
-                f"{name} {'≈' if c.estimated else ''}{c.value:,}" for name, c in figures.items()
+                f"{name} {'≈' if c.estimated else ''}{c.value:,}"
+                for name, c in figures.counts.items()
             ))  # fmt: skip
             before = seq_read(server.url)
             time_pages(app, server.url, pages, args.runs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,15 +18,11 @@ from pathlib import Path
 import psycopg
 from flask import Flask
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from flask_idempotency import Idempotency
+from flask_idempotency.model import KeyStatus, StoredResponse
+from flask_idempotency.testing.postgres import PostgresServer
 
-from pgserver import PostgresServer  # noqa: E402
-
-from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.model import KeyStatus, StoredResponse  # noqa: E402
-
-from .console_pages import LOAD  # noqa: E402
+from .console_pages import LOAD
 
 #: as bench/servers.py runs PostgreSQL: every commit flushed
 DURABLE = {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "on"}

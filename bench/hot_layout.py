@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,13 +22,9 @@ from typing import Any
 import psycopg
 from flask import Flask
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pgserver import PostgresServer, find_bin_dir  # noqa: E402
-
-from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.model import KeyStatus, StoredResponse  # noqa: E402
+from flask_idempotency import Idempotency
+from flask_idempotency.model import KeyStatus, StoredResponse
+from flask_idempotency.testing.postgres import PostgresServer, find_bin_dir
 
 DURABLE = {
     "fsync": "on",

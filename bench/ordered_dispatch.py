@@ -16,7 +16,6 @@ back 10,000 ordered ones (the held-back rows the batch query walks past). Withou
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -25,13 +24,9 @@ from pathlib import Path
 import psycopg
 from flask import Flask
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from pgserver import PostgresServer  # noqa: E402
-
-from flask_idempotency import Idempotency  # noqa: E402
-from flask_idempotency.background.dispatch import Dispatcher  # noqa: E402
+from flask_idempotency import Idempotency
+from flask_idempotency.background.dispatch import Dispatcher
+from flask_idempotency.testing.postgres import PostgresServer
 
 INSERT = """
 INSERT INTO idempotency_jobs (id, tenant, key, name, payload, seq, dead, attempts)

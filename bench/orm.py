@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         db.start(print)
         try:
             app = create_app(db.url)
-            results = {}
+            results: dict[str, dict[str, float]] = {}
             # interleaved, so that a busy moment of the machine falls on both
             for variant, path in (("plain", "/plain-orders"), ("transactional", "/orders")) * 2:
                 got = measure(app, path, args.requests, args.rounds)

@@ -5,6 +5,7 @@ double-execution check."""
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -66,7 +67,7 @@ def one_round(bench: Bench, server: Gunicorn, name: str, r: int) -> dict[str, An
     while True:
         tag = f"{r}{'r' * attempt}"
         result = bench.meter.measured(
-            lambda tag=tag: bench.run_variant(server, variant, tag, a.seconds)
+            functools.partial(bench.run_variant, server, variant, tag, a.seconds)
         )
         cpu = result["cpu_ms_per_request"]
         foreign = cpu["other"] / cpu["busy"] if cpu["busy"] > 0 else 0.0
@@ -144,10 +145,10 @@ def latency(bench: Bench, server: Gunicorn) -> None:
     bench.results["settings"]["latency"] = (
         f"wrk -t 1 -c 1 -d {a.latency_seconds:g}s, {a.latency_rounds} rounds, medians"
     )
-    for name, r in summary.items():
+    for name, figures in summary.items():
         bench.log(
-            f"latency {name:2}: p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms"
-            f"  ({r['requests']} requests, {r['errors']} non-2xx)"
+            f"latency {name:2}: p50 {figures['p50_ms']:6.2f} ms  p99 {figures['p99_ms']:6.2f} ms"
+            f"  ({figures['requests']} requests, {figures['errors']} non-2xx)"
         )
 
 

@@ -378,7 +378,7 @@ def targets(results: dict[str, Any], w: Write) -> None:
     counted_b = results.get("counted", {}).get("b", {})
     counted_c = results.get("counted", {}).get("c", {})
     rows: list[tuple[str, str, str, bool | None]] = []
-    for label, target in (
+    for label, least in (
         ("b/f", 1.20),
         ("b/g", 1.00),
         ("c/gr", 1.20),
@@ -386,7 +386,7 @@ def targets(results: dict[str, Any], w: Write) -> None:
         ("ot/o", 0.70),
     ):
         if label in ratio:
-            rows.append((label, f"{ratio[label]:.2f}", f">= {target:.2f}", ratio[label] >= target))
+            rows.append((label, f"{ratio[label]:.2f}", f">= {least:.2f}", ratio[label] >= least))
     if counted_b:
         rows.append(
             (

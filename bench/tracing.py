@@ -48,7 +48,7 @@ class _NoOpenTelemetry:
 
 def set_mode(mode: str) -> None:
     if mode == "absent":
-        sys.meta_path.insert(0, _NoOpenTelemetry())  # type: ignore[arg-type]
+        sys.meta_path.insert(0, _NoOpenTelemetry())
     elif mode == "sdk":
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider

@@ -243,7 +243,7 @@ def load(db: Postgres, commit: str, keys: int, batch: int = 500_000) -> dict[str
         log(f"built the earlier release's indexes ({time.monotonic() - started:.0f} s)")
         conn.execute(f"VACUUM (ANALYZE) {TABLE}")
         conn.execute("CHECKPOINT")
-        statuses = dict(conn.execute(STATUS_COUNTS).fetchall())
+        statuses: dict[str, int] = dict(conn.execute(STATUS_COUNTS).fetchall())
         size = conn.execute(SIZE, [TABLE]).fetchone()[0]  # type: ignore[index]
         options = conn.execute(OPTIONS, [TABLE]).fetchone()[0]  # type: ignore[index]
         indexes_now = sorted(str(r[0]) for r in conn.execute(INDEX_NAMES, [[TABLE, JOBS]]))
