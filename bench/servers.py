@@ -9,9 +9,7 @@ bench/run can still stop it by PID if this process dies without cleaning up.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +27,10 @@ from bench.app import HANDROLLED_SCHEMA
 from bench.common import DATABASE, ROOT, BenchError, free_port, get_json
 from bench.system import children
 from flask_idempotency.testing.postgres import PostgresServer, find_bin_dir
+from flask_idempotency.testing.redis import BINARY as REDIS_BINARY
+from flask_idempotency.testing.redis import RedisServer
 
 #: Debian's redis-server (apt-get install redis-server), for the peers' variants
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 #: The benchmark's server is durable: every commit waits for its WAL flush (fdatasync).
 DURABLE_SETTINGS: dict[str, str | int] = {
@@ -293,74 +292,36 @@ def stop_gunicorn(processes: Processes, server: Gunicorn) -> None:
     processes.forget(server.proc.pid)
 
 
-class Redis:
+class Redis(RedisServer):
     """Debian's ``redis-server`` on a free 127.0.0.1 port, for the peers (bench/peers.py).
 
     Persistence as a team that cares would set it: the append-only file, flushed once a
     second (``appendfsync everysec``); no RDB snapshots, whose forks would land in the
-    middle of rounds. Stopped by PID.
+    middle of rounds. Stopped by PID; its pid is in the run's pids file while it runs.
     """
 
     def __init__(self, workdir: Path, processes: Processes, appendfsync: str) -> None:
-        self.workdir = workdir
+        super().__init__(workdir, {"appendonly": "yes", "appendfsync": appendfsync, "save": ""})
         self.processes = processes
-        self.port = free_port()
-        self.settings = {"appendonly": "yes", "appendfsync": appendfsync, "save": ""}
         self.version = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
 
     def start(self) -> None:
         """Start it and wait (at most 15 s) until it answers PING; BenchError if it does not."""
-        if not os.path.exists(REDIS_SERVER):
+        if not os.path.exists(REDIS_BINARY):
             raise BenchError("redis-server is not installed (apt-get install redis-server)")
         self.version = subprocess.run(
-            [REDIS_SERVER, "--version"], capture_output=True, text=True, check=False
+            [REDIS_BINARY, "--version"], capture_output=True, text=True, check=False
         ).stdout.strip()
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "redis.log"
-        options = [arg for name, value in self.settings.items() for arg in (f"--{name}", value)]
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", *options,
-             "--dir", str(self.workdir), "--logfile", str(log), "--daemonize", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        self.processes.note("redis", self.proc.pid)
-        deadline = time.monotonic() + 15
-        while not self.answers_ping():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                text = log.read_text()[-2000:] if log.exists() else "no log"
-                raise BenchError(f"redis-server did not start: {text}")
-            time.sleep(0.05)
-
-    def answers_ping(self) -> bool:
+        self.spawn()
+        if self.pid is not None:
+            self.processes.note("redis", self.pid)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+            self.wait_until_ready()
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from exc
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        pid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-        self.processes.forget(pid)
+        pid = self.pid
+        super().stop()
+        if pid is not None:
+            self.processes.forget(pid)

@@ -26,10 +26,10 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from psycopg.rows import TupleRow
 
+from flask_idempotency.testing.redis import RedisServer
 from tests.apps.celery_app import make_apps
 from tests.support.gunicorn_server import ROOT
 from tests.support.helpers import count, wait_until
-from tests.support.redisserver import RedisServer
 
 DB = psycopg.Connection[TupleRow]
 
