@@ -15,6 +15,7 @@ from psycopg.rows import TupleRow
 import flask_idempotency.store.execution
 import flask_idempotency.store.postgres
 from flask_idempotency.testing import IdempotencyDatabase
+from flask_idempotency.testing.database import scratch_database
 from flask_idempotency.testing.proxy import TcpProxy
 from tests.apps.testapp import create_app
 from tests.support.gunicorn_server import GunicornServer
@@ -27,6 +28,14 @@ def database_url(idempotency_database: IdempotencyDatabase) -> str:
     afresh for the run on the server ``IDEMPOTENCY_TEST_DATABASE_URL`` names, or on a
     throwaway PostgreSQL."""
     return idempotency_database.url
+
+
+@pytest.fixture
+def empty_database(database_url: str) -> Iterator[str]:
+    """The URL of a database of its own on the test server, empty (no table of the
+    extension exists yet), dropped after the test."""
+    with scratch_database(database_url, "empty_") as (url, _):
+        yield url
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from psycopg.conninfo import make_conninfo
 
 from .postgres import PostgresServer
 
-__all__ = ["server_url", "session_database", "with_dbname"]
+__all__ = ["scratch_database", "server_url", "session_database", "with_dbname"]
 
 
 def with_dbname(conninfo: str, dbname: str) -> str:
@@ -47,18 +47,31 @@ def server_url(url: str | None, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @contextlib.contextmanager
+def scratch_database(
+    url: str, prefix: str = "idempotency_test_", template: str | None = None
+) -> Iterator[tuple[str, str]]:
+    """A database of its own on the server of *url* (named *prefix* and a random suffix;
+    empty, or a copy of the database *template*), its URL and name, dropped after the
+    block (with the connections still open to it)."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(create)
+    try:
+        yield with_dbname(url, name), name
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+            conn.execute(drop.format(sql.Identifier(name)))
+
+
+@contextlib.contextmanager
 def session_database(
     server: str | None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:
     """A database of its own on *server* (see :func:`server_url`), its URL and name,
     dropped after the block (with the connections still open to it)."""
-    name = f"idempotency_test_{uuid.uuid4().hex[:12]}"
-    with server_url(server, tmp_path_factory) as url:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            yield with_dbname(url, name), name
-        finally:
-            with psycopg.connect(url, autocommit=True) as conn:
-                drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-                conn.execute(drop.format(sql.Identifier(name)))
+    with server_url(server, tmp_path_factory) as url, scratch_database(url) as made:
+        yield made

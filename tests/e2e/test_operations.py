@@ -24,7 +24,6 @@ from flask import Flask
 from psycopg import sql
 
 from flask_idempotency.store.ddl import INDEXES, RETIRED_INDEXES
-from flask_idempotency.testing.database import with_dbname
 from flask_idempotency.testing.postgres import PostgresServer
 from tests.apps.e2e_app import create_tables, environment
 from tests.apps.ops_app import create_orders_table
@@ -197,19 +196,6 @@ def test_a_postgres_restart_during_the_view_keeps_its_answer(
 
 
 # -- many processes of several apps start at once on an empty database ------------------------
-
-
-@pytest.fixture
-def empty_database(database_url: str) -> Iterator[str]:
-    """A database of its own, empty: no table of the extension exists yet."""
-    name = f"empty_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield with_dbname(database_url, name)
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def test_six_processes_of_three_apps_start_at_once_on_an_empty_database(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -14,14 +13,6 @@ from tests.support.helpers import executions, hold_first, post, run_together
 from tests.support.pgbouncer import PgBouncer
 
 DB = psycopg.Connection[TupleRow]
-
-
-@pytest.fixture(scope="module")
-def pgbouncer(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgBouncer]:
-    bouncer = PgBouncer(Path(tmp_path_factory.mktemp("pgbouncer")), database_url)
-    bouncer.start()
-    yield bouncer
-    bouncer.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -35,14 +34,6 @@ from tests.support.pgbouncer import PgBouncer
 DB = psycopg.Connection[TupleRow]
 THREADS = 12  # client connections; PgBouncer has 10 server connections
 KEYS = 48
-
-
-@pytest.fixture(scope="module")
-def pgbouncer(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgBouncer]:
-    bouncer = PgBouncer(Path(tmp_path_factory.mktemp("pgbouncer")), database_url)
-    bouncer.start()
-    yield bouncer
-    bouncer.stop()
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 
 import flask_idempotency
-from flask_idempotency.testing.database import with_dbname
+from flask_idempotency.testing.database import scratch_database
 from tests.apps.release_app import create_tables
 from tests.support.gunicorn_server import ROOT, GunicornServer, Response, post, wait_until
 from tests.support.releases import extract
@@ -81,6 +80,9 @@ CLIENTS = 3
 MAX_REQUESTS = 4_000
 #: the share of requests that are retries of a key already answered
 RETRY_SHARE = 0.4
+#: each scenario waits until this many retries have crossed releases each way
+CROSSINGS = 20
+CROSSED = f"{CROSSINGS} retries crossing releases each way"
 #: how long a phase may take before the test says what it was waiting for (a few phases
 #: fit in pytest's timeout of the test)
 PHASE_TIMEOUT = 20.0
@@ -226,27 +228,10 @@ def new_layout(database_url: str) -> Layout:
     created (``flask idempotency-init`` in a scratch database), not from its source: what the
     upgrade of an old table must reach."""
     new_code().check_imports()
-    with scratch_database(database_url) as url:
+    with scratch_database(database_url, "releases_") as (url, _):
         new_code().flask(new_code().env(url), "idempotency-init")
         with psycopg.connect(url, autocommit=True) as conn:
             return layout(conn)
-
-
-@contextmanager
-def scratch_database(database_url: str, template: str | None = None) -> Iterator[str]:
-    """A database of its own (a copy of *template*, or empty), dropped afterwards."""
-    name = f"releases_{uuid.uuid4().hex[:10]}"
-    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-    if template is not None:
-        create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
-    with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(create)
-    try:
-        yield with_dbname(database_url, name)
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-            admin.execute(drop.format(sql.Identifier(name)))
 
 
 @pytest.fixture(scope="session")
@@ -261,10 +246,10 @@ def old_tables(
 
         def make(release: OldRelease) -> tuple[str, Layout]:
             if release.commit not in made:
-                url = stack.enter_context(scratch_database(database_url))
+                url, name = stack.enter_context(scratch_database(database_url, "releases_"))
                 with psycopg.connect(url, autocommit=True) as db:
                     old_layout = prepare_old_table(db, url, old_code(release), release)
-                made[release.commit] = (str(conninfo_to_dict(url)["dbname"]), old_layout)
+                made[release.commit] = (name, old_layout)
             return made[release.commit]
 
         yield make
@@ -279,7 +264,7 @@ def store(
     """The URL of a fresh database for one test, holding the table as *release* made it
     (with BULK_KEYS keys), and that table's layout."""
     template, old_layout = old_tables(release)
-    with scratch_database(database_url, template) as url:
+    with scratch_database(database_url, "releases_", template) as (url, _):
         yield url, old_layout
 
 
@@ -846,6 +831,51 @@ def settled(db: DB) -> Callable[[], bool]:
     return check
 
 
+def crossed_both_ways(traffic: Traffic) -> Callable[[], bool]:
+    """A condition: CROSSINGS retries have crossed releases each way."""
+    return lambda: min(traffic.crossed("old", "new"), traffic.crossed("new", "old")) >= CROSSINGS
+
+
+def start_traffic(first: Serving) -> Traffic:
+    """Clients sending to *first* (and to each release added later), started."""
+    traffic = Traffic()
+    traffic.add(first)
+    traffic.start()
+    return traffic
+
+
+def wait_for_the_upgrade(
+    db: DB, new_layout: Layout, old_layout: Layout, findings: Findings
+) -> None:
+    """Until the table has the new release's layout and its schema work is over; the old
+    release's indexes must still be there."""
+    findings.wait(upgraded(db, new_layout), PHASE_TIMEOUT, "the new release's layout")
+    findings.wait(settled(db), PHASE_TIMEOUT, "the new release's schema work to end")
+    check_indexes(
+        db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
+    )
+
+
+def check_the_end(
+    db: DB,
+    traffic: Traffic,
+    findings: Findings,
+    servers: list[Serving],
+    unknown: tuple[str, set[str], subprocess.Popen[str]] | None = None,
+) -> None:
+    """What every scenario checks once its traffic is over: every answer, at most one
+    execution a key; with *unknown* (the store's URL, the keys marked ``unknown``, the
+    listing started after them), those keys counted and reconciled, and the executions
+    checked again; then the servers stopped."""
+    check_answers(traffic, findings)
+    check_executions(db, traffic, findings)
+    if unknown is not None:
+        url, marked, listing = unknown
+        count_and_reconcile(db, url, servers, marked, listing, findings)
+        check_executions(db, traffic, findings)
+    stop(*servers)
+
+
 # -- the scenarios ------------------------------------------------------------------------------
 
 
@@ -855,131 +885,112 @@ def release(request: pytest.FixtureRequest) -> OldRelease:
     return release
 
 
-def test_upgrade_new_release_starts_beside_the_old_one(
+@dataclass(frozen=True)
+class Scenario:
+    """A scenario's parts: the store (a copy of *release*'s populated table), both
+    releases' code, the layouts to reach and to keep, and its findings."""
+
+    url: str
+    old_layout: Layout
+    new_layout: Layout
+    old: Code
+    new: Code
+    start_gunicorn: Callable[..., GunicornServer]
+    findings: Findings
+
+    def serve(self, code: Code, workers: int, **settings: str) -> Serving:
+        """*code* under gunicorn on the store (see :func:`serve`)."""
+        return serve(self.start_gunicorn, code, self.url, self.findings, workers, **settings)
+
+
+@pytest.fixture
+def scenario(
     release: OldRelease,
     old_code: Callable[[OldRelease], Code],
     new_layout: Layout,
     store: tuple[str, Layout],
     start_gunicorn: Callable[..., GunicornServer],
     findings: Findings,
-    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
+) -> Scenario:
+    url, old_layout = store
+    return Scenario(
+        url, old_layout, new_layout, old_code(release), new_code(), start_gunicorn, findings
+    )
+
+
+def test_upgrade_new_release_starts_beside_the_old_one(
+    scenario: Scenario, list_unknown: Callable[[Code, str], subprocess.Popen[str]]
 ) -> None:
     """The old release serves its table under traffic; the new one starts beside it on the
     same table (4 workers, their first requests upgrade it) while retries cross releases;
     then the old release marks keys ``unknown``, beside the upgraded new one."""
-    (url, old_layout), old_release, new_release = store, old_code(release), new_code()
-    with psycopg.connect(url, autocommit=True) as db:
-        old = serve(start_gunicorn, old_release, url, findings, workers=3)
-        traffic = Traffic()
-        traffic.add(old)
-        traffic.start()
+    s, findings = scenario, scenario.findings
+    with psycopg.connect(s.url, autocommit=True) as db:
+        old = s.serve(s.old, workers=3)
+        traffic = start_traffic(old)
         try:
             wait_until(lambda: traffic.count(lambda a: a.status == 201) >= 40, 30, "old answers")
-            new = serve(start_gunicorn, new_release, url, findings, workers=4)
+            new = s.serve(s.new, workers=4)
             traffic.add(new)
-            findings.wait(upgraded(db, new_layout), PHASE_TIMEOUT, "the new release's layout")
-            findings.wait(settled(db), PHASE_TIMEOUT, "the new release's schema work to end")
-            check_indexes(
-                db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
-            )
+            wait_for_the_upgrade(db, s.new_layout, s.old_layout, findings)
             marked = make_unknown(db, [(old, old), (old, old)], findings)
-            listing = list_unknown(new_release, url)
-            findings.wait(
-                lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
-                PHASE_TIMEOUT,
-                "20 retries crossing releases each way",
-            )
+            listing = list_unknown(s.new, s.url)
+            findings.wait(crossed_both_ways(traffic), PHASE_TIMEOUT, CROSSED)
         finally:
             traffic.finish()
-        check_indexes(db, old_layout.indexes, "the old release's", "at the end", findings)
-        check_indexes(db, new_layout.indexes, "the new release's", "at the end", findings)
-        check_answers(traffic, findings)
-        check_executions(db, traffic, findings)
-        count_and_reconcile(db, url, [old, new], marked, listing, findings)
-        stop(old, new)
+        check_indexes(db, s.old_layout.indexes, "the old release's", "at the end", findings)
+        check_indexes(db, s.new_layout.indexes, "the new release's", "at the end", findings)
+        check_the_end(db, traffic, findings, [old, new], (s.url, marked, listing))
     findings.check(traffic, marked)
 
 
 def test_rollback_old_release_starts_beside_the_new_one(
-    release: OldRelease,
-    old_code: Callable[[OldRelease], Code],
-    new_layout: Layout,
-    store: tuple[str, Layout],
-    start_gunicorn: Callable[..., GunicornServer],
-    findings: Findings,
-    list_unknown: Callable[[Code, str], subprocess.Popen[str]],
+    scenario: Scenario, list_unknown: Callable[[Code, str], subprocess.Popen[str]]
 ) -> None:
     """The new release serves (it upgraded the old release's table on its first requests);
     the old one starts again beside it; both mark keys ``unknown``, and neither undoes the
     other's DDL."""
-    (url, old_layout), old_release, new_release = store, old_code(release), new_code()
-    with psycopg.connect(url, autocommit=True) as db:
-        new = serve(start_gunicorn, new_release, url, findings, workers=4)
-        traffic = Traffic()
-        traffic.add(new)
-        traffic.start()
+    s, findings = scenario, scenario.findings
+    with psycopg.connect(s.url, autocommit=True) as db:
+        new = s.serve(s.new, workers=4)
+        traffic = start_traffic(new)
         try:
-            findings.wait(upgraded(db, new_layout), PHASE_TIMEOUT, "the new release's layout")
-            findings.wait(settled(db), PHASE_TIMEOUT, "the new release's schema work to end")
-            check_indexes(
-                db, old_layout.indexes, "the old release's", "once the new one upgraded", findings
-            )
-            new_indexes = new_layout.indexes & layout(db).indexes  # those it has built
-            old = serve(start_gunicorn, old_release, url, findings, workers=3)
+            wait_for_the_upgrade(db, s.new_layout, s.old_layout, findings)
+            new_indexes = s.new_layout.indexes & layout(db).indexes  # those it has built
+            old = s.serve(s.old, workers=3)
             traffic.add(old)
             findings.wait(settled(db), PHASE_TIMEOUT, "the old release's schema work to end")
             marked = make_unknown(db, [(new, new), (new, old), (old, old), (old, new)], findings)
-            listing = list_unknown(new_release, url)
-            findings.wait(
-                lambda: traffic.crossed("old", "new") >= 20 and traffic.crossed("new", "old") >= 20,
-                PHASE_TIMEOUT,
-                "20 retries crossing releases each way",
-            )
+            listing = list_unknown(s.new, s.url)
+            findings.wait(crossed_both_ways(traffic), PHASE_TIMEOUT, CROSSED)
         finally:
             traffic.finish()
         check_indexes(
             db, new_indexes, "the new release's", "after the old release started again", findings
         )
-        check_indexes(db, old_layout.indexes, "the old release's", "at the end", findings)
-        check_answers(traffic, findings)
-        check_executions(db, traffic, findings)
-        count_and_reconcile(db, url, [old, new], marked, listing, findings)
-        stop(old, new)
+        check_indexes(db, s.old_layout.indexes, "the old release's", "at the end", findings)
+        check_the_end(db, traffic, findings, [old, new], (s.url, marked, listing))
     findings.check(traffic, marked)
 
 
-def test_upgrade_with_fail_open_runs_nothing_twice(
-    release: OldRelease,
-    old_code: Callable[[OldRelease], Code],
-    new_layout: Layout,
-    store: tuple[str, Layout],
-    start_gunicorn: Callable[..., GunicornServer],
-    findings: Findings,
-) -> None:
+def test_upgrade_with_fail_open_runs_nothing_twice(scenario: Scenario) -> None:
     """The upgrade's start again, both releases with IDEMPOTENCY_FAIL_OPEN: schema work that
     fails or waits must never count as an outage that runs views unprotected."""
-    (url, _), old_release, new_release = store, old_code(release), new_code()
-    with psycopg.connect(url, autocommit=True) as db:
-        old = serve(start_gunicorn, old_release, url, findings, workers=3, fail_open="true")
-        traffic = Traffic()
-        traffic.add(old)
-        traffic.start()
+    s, findings = scenario, scenario.findings
+    with psycopg.connect(s.url, autocommit=True) as db:
+        old = s.serve(s.old, workers=3, fail_open="true")
+        traffic = start_traffic(old)
         try:
             wait_until(lambda: traffic.count(lambda a: a.status == 201) >= 40, 30, "old answers")
-            new = serve(start_gunicorn, new_release, url, findings, workers=4, fail_open="true")
+            new = s.serve(s.new, workers=4, fail_open="true")
             traffic.add(new)
+            crossed = crossed_both_ways(traffic)
             findings.wait(
-                lambda: (
-                    upgraded(db, new_layout)()
-                    and traffic.crossed("old", "new") >= 20
-                    and traffic.crossed("new", "old") >= 20
-                ),
+                lambda: upgraded(db, s.new_layout)() and crossed(),
                 PHASE_TIMEOUT,
-                "the new release's layout and 20 retries crossing releases each way",
+                f"the new release's layout and {CROSSED}",
             )
         finally:
             traffic.finish()
-        check_answers(traffic, findings)
-        check_executions(db, traffic, findings)
-        stop(old, new)
+        check_the_end(db, traffic, findings, [old, new])
     findings.check(traffic)

@@ -8,14 +8,13 @@ import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from flask import Flask
 
 from flask_idempotency import ConfigError, Idempotency
-from tests.support.gunicorn_server import GunicornServer, Response, race
+from tests.support.gunicorn_server import GunicornServer, Response, race, tcp_connections
 from tests.support.gunicorn_server import post as http_post
 from tests.support.helpers import DB, count, wait_until
 
@@ -265,22 +264,4 @@ def _backend_of(db: DB, backend: int, worker: int) -> bool:
     ).fetchone()
     if row is None or row[0] is None:
         return False
-    return db_sockets_of(worker, int(row[0]))
-
-
-def db_sockets_of(pid: int, client_port: int) -> bool:
-    """*pid* has a TCP socket whose local port is *client_port* (read from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == client_port and fields[9] in inodes:
-                return True
-    return False
+    return any(local == int(row[0]) for local, _ in tcp_connections(worker))

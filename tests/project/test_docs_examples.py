@@ -20,19 +20,15 @@ import shutil
 import subprocess
 import sys
 import types
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from flask import Flask
-from psycopg import sql
 
-from flask_idempotency.testing.database import with_dbname
 from tests.support.gunicorn_server import ROOT
 
 DOCS = ROOT / "docs"
@@ -150,18 +146,9 @@ def test_the_block_reader_sees_marks_and_spellings(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def page_database(database_url: str) -> Iterator[str]:
+def page_database(empty_database: str) -> str:
     """A database of its own for one run of pages, dropped afterwards."""
-    name = f"docs_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield with_dbname(database_url, name)
-    finally:
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    return empty_database
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))

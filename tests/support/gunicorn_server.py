@@ -62,13 +62,14 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
-def db_sockets(pid: int, db_port: int) -> int:
-    """How many TCP connections process *pid* has open to *db_port* on any host."""
+def tcp_connections(pid: int) -> list[tuple[int, int]]:
+    """(local port, remote port) of each TCP socket process *pid* has open, read from /proc
+    (none when the process is gone)."""
     inodes = set()
     try:
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
-        return 0
+        return []
     for fd in fds:
         try:
             target = os.readlink(fd)
@@ -76,14 +77,19 @@ def db_sockets(pid: int, db_port: int) -> int:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    count = 0
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            remote_port = int(fields[2].split(":")[1], 16)
-            if remote_port == db_port and fields[9] in inodes:
-                count += 1
-    return count
+            if fields[9] in inodes:
+                local, remote = (int(end.rsplit(":", 1)[1], 16) for end in fields[1:3])
+                found.append((local, remote))
+    return found
+
+
+def db_sockets(pid: int, db_port: int) -> int:
+    """How many TCP connections process *pid* has open to *db_port* on any host."""
+    return sum(1 for _, remote in tcp_connections(pid) if remote == db_port)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from psycopg.conninfo import conninfo_to_dict
 from flask_idempotency.testing.postgres import free_port
 
 BINARY = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-RUN_AS = "pgtest"  # the unprivileged user tests/pgserver.py runs PostgreSQL as
+RUN_AS = "pgtest"  # the unprivileged user PostgresServer runs PostgreSQL as (as root)
 
 
 class PgBouncer:
@@ -84,3 +84,10 @@ logfile = {self.workdir / "pgbouncer.log"}
             self.process.terminate()
             self.process.wait(10)
         self.process = None
+
+    def __enter__(self) -> PgBouncer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
