@@ -53,6 +53,15 @@ def post(
     return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
 
 
+def twin(key: str, body: Any = None) -> dict[str, Any]:
+    """The keyword arguments of the request :func:`post` sends (for the plugin's
+    ``send_twins``): *body* as JSON with ``Idempotency-Key: key``."""
+    return {
+        "json": body if body is not None else {"amount": 100},
+        "headers": {"Idempotency-Key": key},
+    }
+
+
 def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
     assert response.status_code == status, response.data
     assert response.mimetype == PROBLEM

@@ -14,7 +14,8 @@ from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 from flask_idempotency.keys import lock_id
-from tests.support.helpers import executions, post, run_together
+from flask_idempotency.testing import send_twins
+from tests.support.helpers import executions, post, run_together, twin
 
 DB = psycopg.Connection[TupleRow]
 
@@ -23,7 +24,7 @@ def test_32_threads_on_one_key_run_the_view_once(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_POOL_MAX_SIZE=32)
-    results = run_together(32, lambda: post(app.test_client(), "/payments", key))
+    results = send_twins(app.test_client(), "POST", "/payments", 32, **twin(key))
     statuses = Counter(r.status_code for r in results)
     assert executions(db, key) == 1
     assert set(statuses) <= {201, 409}, statuses
@@ -102,7 +103,7 @@ def test_the_advisory_lock_not_luck_serialises_the_claim(
         time.sleep(0.01)
     # While it holds the window open, twins are turned away at once: they do
     # not queue on the row and they do not run the view.
-    twins = run_together(8, lambda: post(app.test_client(), "/payments", key))
+    twins = send_twins(app.test_client(), "POST", "/payments", 8, **twin(key))
     assert first.is_alive(), "the twins must have been answered while the first was held"
     assert {r.status_code for r in twins} == {409}
     assert all(r.get_json()["type"].endswith("request-in-progress") for r in twins)
