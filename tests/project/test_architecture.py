@@ -252,3 +252,48 @@ def test_architecture_page_names_every_module() -> None:
         and not _is_package(name)
     ]
     assert missing == []
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    """The modules *tree* imports (``a.b`` for ``import a.b`` and ``from a.b import c``)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def _changes_sys_path(tree: ast.AST) -> bool:
+    """Whether *tree* calls a method on ``sys.path`` or assigns to it."""
+    for node in ast.walk(tree):
+        target = (
+            node.func.value
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            else None
+        )
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t for t in targets if ast.unparse(t) == "sys.path"), None)
+        if target is not None and ast.unparse(target) == "sys.path":
+            return True
+    return False
+
+
+def test_bench_and_the_suite_import_each_other_only_as_packages() -> None:
+    """bench/ imports no test module, and neither bench/ nor tests/ puts a folder on
+    ``sys.path`` (tests import their apps and harness as ``tests.*``); the suite's own
+    servers are the plugin package's, which bench/ shares."""
+    for folder in ("bench", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            where = path.relative_to(ROOT)
+            assert not _changes_sys_path(tree), f"{where} changes sys.path"
+            imported = _imported_modules(tree)
+            if folder == "bench":
+                assert not {m for m in imported if m.split(".")[0] == "tests"}, where
+            else:
+                # a test module imports tests.* or the package, never a sibling by basename
+                siblings = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+                assert not imported & siblings, (where, imported & siblings)

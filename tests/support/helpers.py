@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -131,8 +130,6 @@ def hold_first(
 def create_example_tables(db: DB) -> None:
     """The example's tables, made before its workers start (each worker would otherwise
     create them on its first request, and workers starting together could race)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     app = importlib.import_module("example.app")
     provider = importlib.import_module("example.provider")
     db.execute(app.PAYMENTS)
