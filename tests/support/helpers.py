@@ -152,3 +152,16 @@ def start_example(
         workers=3,
         worker_class="sync",
     )
+
+
+def start_twin(
+    app: Flask, key: str, path: str = "/payments"
+) -> tuple[threading.Thread, dict[str, TestResponse]]:
+    """POST *key* to *path* from a thread started now: a twin of a first request held open
+    (:func:`hold_first`). Its answer is ``results["twin"]`` once the thread is joined."""
+    results: dict[str, TestResponse] = {}
+    thread = threading.Thread(
+        target=lambda: results.update(twin=post(app.test_client(), path, key))
+    )
+    thread.start()
+    return thread, results

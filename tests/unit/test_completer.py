@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 import pytest
 from flask import Flask
 
@@ -19,33 +18,16 @@ from flask_idempotency.background.completer import Completer
 from flask_idempotency.background.report import Outcome
 from flask_idempotency.fingerprint import fingerprint
 from flask_idempotency.stored_request import StoredRequest
-from tests.apps.completer_app import create_app
-from tests.support.helpers import DB, problem, wait_until
+from tests.support.helpers import DB, lease_over, problem, wait_until
+from tests.support.keys_table import delete_keys
 
 ORDERS = "/shop/orders"
 
 
-@pytest.fixture
-def make(database_url: str) -> Iterator[Callable[..., Flask]]:
-    apps: list[Flask] = []
-
-    def build(**config: Any) -> Flask:
-        app = create_app(database_url, **config)
-        apps.append(app)
-        return app
-
-    yield build
-    for app in apps:
-        app.extensions["idempotency"].store.close()
-
-
 @pytest.fixture(autouse=True)
-def only_this_tests_keys(database_url: str) -> Iterator[None]:
+def only_this_tests_keys(database_url: str) -> None:
     """The completer takes every due key of the table: start each test without any."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass('idempotency_keys')").fetchone() != (None,):
-            conn.execute("DELETE FROM idempotency_keys WHERE request IS NOT NULL")
-    yield
+    delete_keys(database_url, "request IS NOT NULL")
 
 
 def send(app: Flask, key: str, path: str = ORDERS, tenant: str = "acme", **headers: str) -> Any:
@@ -75,9 +57,9 @@ def row(db: DB, key: str) -> tuple[Any, ...]:
 
 
 def test_a_released_phased_key_is_completed_from_its_recovery_point_and_replayed(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     first = send(app, key, X_Fail_At="after_created")
     assert first.status_code == 500
     assert row(db, key)[:3] == ("retryable", 1, "created")
@@ -108,9 +90,9 @@ def test_a_released_phased_key_is_completed_from_its_recovery_point_and_replayed
 
 
 def test_the_query_string_body_and_stored_headers_come_back_exactly(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     path = ORDERS + "?b=2&a=%C3%A9%00&raw=\xff"
     first = app.test_client().post(
         path,
@@ -153,20 +135,10 @@ def hold(
     return thread, proceed, results
 
 
-def lease_over(db: DB, key: str) -> Callable[[], bool]:
-    def check() -> bool:
-        found = db.execute(
-            "SELECT locked_until <= now() FROM idempotency_keys WHERE key = %s", (key,)
-        ).fetchone()
-        return bool(found and found[0])
-
-    return check
-
-
 def test_an_abandoned_claim_is_taken_over_and_its_zombie_is_fenced(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make(IDEMPOTENCY_LEASE=0.3)
+    app = make_completer_app(IDEMPOTENCY_LEASE=0.3)
     thread, proceed, results = hold(app, key)
     wait_until(lease_over(db, key))
     result = complete(app)
@@ -182,9 +154,9 @@ def test_an_abandoned_claim_is_taken_over_and_its_zombie_is_fenced(
 
 
 def test_a_claim_whose_lease_is_alive_or_a_completed_key_is_never_run(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     thread, proceed, _ = hold(app, key)
     try:
         assert "0 due" in complete(app).output  # its lease is alive: a client is waiting
@@ -204,8 +176,8 @@ def test_a_claim_whose_lease_is_alive_or_a_completed_key_is_never_run(
     assert row(db, released)[:2] == ("retryable", 1)  # a dry run changes nothing
 
 
-def test_two_completers_run_each_key_once(make: Callable[..., Flask], db: DB) -> None:
-    app = make()
+def test_two_completers_run_each_key_once(make_completer_app: Callable[..., Flask], db: DB) -> None:
+    app = make_completer_app()
     keys = [f"both-{uuid.uuid4()}" for _ in range(12)]
     for key in keys:
         assert send(app, key, X_Fail_At="after_created").status_code == 500
@@ -213,7 +185,7 @@ def test_two_completers_run_each_key_once(make: Callable[..., Flask], db: DB) ->
     barrier = threading.Barrier(2)
 
     def completer(i: int) -> None:
-        other = make()  # its own app and pool, as on another host
+        other = make_completer_app()  # its own app and pool, as on another host
         barrier.wait(10)
         with other.app_context():
             worker = Completer(
@@ -242,9 +214,9 @@ def test_two_completers_run_each_key_once(make: Callable[..., Flask], db: DB) ->
 
 
 def test_a_transactional_view_is_completed_in_one_transaction(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     # A failed attempt of a transactional view rolls its claim back: nothing to complete.
     assert send(app, key, "/shop/ledger", X_Fail_At="now").status_code == 500
     assert db.execute("SELECT 1 FROM idempotency_keys WHERE key = %s", (key,)).fetchone() is None
@@ -273,9 +245,9 @@ def test_a_transactional_view_is_completed_in_one_transaction(
 
 
 def test_an_abandoned_claim_of_an_on_abandoned_unknown_route_is_marked_unknown(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     thread, proceed, _ = hold(app, key, "/shop/unknown-orders")
     try:
         wait_until(lease_over(db, key))
@@ -316,14 +288,14 @@ def tamper(db: DB, key: str, **fields: Any) -> None:
     ],
 )
 def test_a_key_that_cannot_run_any_more_is_skipped_and_left_as_it_is(
-    make: Callable[..., Flask],
+    make_completer_app: Callable[..., Flask],
     db: DB,
     key: str,
     caplog: pytest.LogCaptureFixture,
     change: dict[str, Any],
     reason: str,
 ) -> None:
-    app = make()
+    app = make_completer_app()
     assert send(app, key, X_Fail_At="after_created").status_code == 500
     tamper(db, key, **change)
     skipped: list[dict[str, Any]] = []
@@ -340,11 +312,11 @@ def test_a_key_that_cannot_run_any_more_is_skipped_and_left_as_it_is(
 
 
 def test_a_key_never_runs_under_another_tenant(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     assert send(app, key, X_Fail_At="after_created").status_code == 500
-    other = make(REMAP_TENANT="globex")
+    other = make_completer_app(REMAP_TENANT="globex")
     result = complete(other)
     assert result.exit_code == 0
     assert "the tenant loader named tenant 'globex', not the key's tenant 'acme'" in result.output
@@ -372,9 +344,9 @@ def test_a_key_never_runs_under_another_tenant(
     ],
 )
 def test_a_tampered_stored_request_is_skipped_with_a_clear_reason(
-    make: Callable[..., Flask], db: DB, key: str, document: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str, document: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     assert send(app, key, X_Fail_At="after_created").status_code == 500
     db.execute("UPDATE idempotency_keys SET request = %s WHERE key = %s", (document, key))
     result = complete(app)
@@ -385,15 +357,15 @@ def test_a_tampered_stored_request_is_skipped_with_a_clear_reason(
 
 
 def test_huge_stored_headers_come_back_or_are_refused_up_front(
-    make: Callable[..., Flask], db: DB, key: str
+    make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make()
+    app = make_completer_app()
     note = "n" * 100_000
     assert send(app, key, X_Fail_At="after_created", X_Note=note).status_code == 500
     assert "completed" in complete(app).output
     assert send(app, key, X_Note=note).get_json()["note"] == 100_000
 
-    small = make(IDEMPOTENCY_MAX_REQUEST_BYTES=50_000)
+    small = make_completer_app(IDEMPOTENCY_MAX_REQUEST_BYTES=50_000)
     refused = f"{key}-refused"
     problem(send(small, refused, X_Note=note), 413, "request-too-large")
     assert (
@@ -401,8 +373,8 @@ def test_huge_stored_headers_come_back_or_are_refused_up_front(
     )
 
 
-def test_the_store_failing_exits_1_with_one_line(make: Callable[..., Flask]) -> None:
-    app = make(
+def test_the_store_failing_exits_1_with_one_line(make_completer_app: Callable[..., Flask]) -> None:
+    app = make_completer_app(
         IDEMPOTENCY_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none",
         IDEMPOTENCY_POOL_TIMEOUT=0.5,
     )

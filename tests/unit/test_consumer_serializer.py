@@ -19,6 +19,7 @@ from psycopg.rows import TupleRow
 from pydantic import BaseModel
 
 from flask_idempotency import Idempotency, OutcomeUnknown
+from tests.support.keys_table import key_rows
 
 DB = psycopg.Connection[TupleRow]
 
@@ -218,5 +219,4 @@ def test_a_serializer_without_dumps_and_loads_is_refused_before_anything_runs(
         return
     with app.app_context(), pytest.raises(TypeError, match="dumps.*loads"):
         extension(app).run_once(key, pytest.fail, serializer=bad)
-    row = db.execute("SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)).fetchone()
-    assert row == (0,)
+    assert key_rows(db, key) == 0

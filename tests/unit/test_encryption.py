@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -19,8 +19,8 @@ from flask_idempotency.encryption import Fernet
 from flask_idempotency.errors import EncryptionError
 from flask_idempotency.keys import tenant_tag
 from flask_idempotency.store.sealing import SEALED_HEADERS, SEALED_REQUEST
-from tests.apps.completer_app import create_app as create_completer_app
-from tests.support.helpers import DB, executions, post, problem
+from tests.support.helpers import DB, count, executions, post, problem
+from tests.support.keys_table import delete_keys, key_rows
 
 K1, K2, K3 = (CryptoFernet.generate_key() for _ in range(3))
 SECRET = "4111-1111-1111-1111<script>\u00e9"
@@ -76,20 +76,10 @@ def test_nothing_decryptable_or_plain_is_at_rest(
 
 
 @pytest.fixture
-def completer(database_url: str) -> Iterator[Callable[..., Flask]]:
-    apps: list[Flask] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass('idempotency_keys')").fetchone() != (None,):
-            conn.execute("DELETE FROM idempotency_keys WHERE request IS NOT NULL")
-
-    def build(**config: Any) -> Flask:
-        app = create_completer_app(database_url, **config)
-        apps.append(app)
-        return app
-
-    yield build
-    for app in apps:
-        app.extensions["idempotency"].store.close()
+def completer(database_url: str, make_completer_app: Callable[..., Flask]) -> Callable[..., Flask]:
+    """``make_completer_app``, no stored request of an earlier test left for the completer."""
+    delete_keys(database_url, "request IS NOT NULL")
+    return make_completer_app
 
 
 def test_a_stored_request_is_sealed_and_the_completer_opens_it(
@@ -265,10 +255,8 @@ def test_a_transactional_view_whose_response_cannot_be_sealed_commits_nothing(
     app = make_app(IDEMPOTENCY_ENCRYPTOR=Broken("encrypt", "raises"))
     answer = post(app.test_client(), "/ledger", key)
     assert "nothing was committed" in problem(answer, 500, "response-not-storable")["detail"]
-    assert db.execute("SELECT count(*) FROM ledger WHERE key = %s", (key,)).fetchone() == (0,)
-    assert db.execute(
-        "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
-    ).fetchone() == (0,)
+    assert count(db, "SELECT count(*) FROM ledger WHERE key = %s", key) == 0
+    assert key_rows(db, key) == 0
 
 
 def test_a_stored_request_that_cannot_be_sealed_is_refused_before_the_view(
@@ -279,9 +267,7 @@ def test_a_stored_request_that_cannot_be_sealed_is_refused_before_the_view(
         "/shop/orders", json={"amount": 1}, headers={"Idempotency-Key": key, "X-Tenant": "acme"}
     )
     problem(answer, 500, "store-refused")
-    assert db.execute(
-        "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
-    ).fetchone() == (0,)
+    assert key_rows(db, key) == 0
 
 
 def test_run_once_with_a_failing_encryptor(make_app: Callable[..., Flask], key: str) -> None:

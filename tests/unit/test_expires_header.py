@@ -4,7 +4,6 @@ the first answer and every replay, and ``instance`` and ``retryable`` in problem
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -13,7 +12,7 @@ from flask import Flask
 from werkzeug.http import http_date, parse_date
 
 from flask_idempotency.answers import EXPIRES_HEADER
-from tests.support.helpers import DB, post, problem
+from tests.support.helpers import DB, hold_first, post, problem
 
 
 def _expires_at(db: DB, key: str) -> datetime:
@@ -99,13 +98,8 @@ def test_problems_carry_instance_and_retryable(app: Flask, key: str) -> None:
     reused = post(client, "/payments", key, {"amount": 1})
     body = problem(reused, 422, "key-reused")
     assert body["retryable"] is (reused.headers["Stripe-Should-Retry"] == "true") is False
-    entered, proceed = app.extensions["test_gates"].add(key + "-held")
-    held = threading.Thread(
-        target=lambda: post(app.test_client(), "/payments", key + "-held", X_Gate=key + "-held")
-    )
-    held.start()
+    held, proceed, _ = hold_first(app, key + "-held")
     try:
-        assert entered.wait(10)
         twin = post(client, "/payments", key + "-held")
         body = problem(twin, 409, "request-in-progress")
         assert twin.headers["Stripe-Should-Retry"] == "true"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +14,9 @@ from flask import Flask, Request
 
 from flask_idempotency import ConfigError, Idempotency
 from flask_idempotency.fingerprint import canonical_body, fingerprint, parse_exclusions
+from tests.support.extension import extension_on
 from tests.support.helpers import problem
+from tests.support.keys_table import key_rows
 
 J = "application/json"
 F = "application/x-www-form-urlencoded"
@@ -96,16 +98,13 @@ def test_fingerprints_stored_before_still_match(parts: tuple[Any, ...], digest: 
 
 
 @pytest.fixture
-def build(database_url: str) -> Iterator[Callable[..., Flask]]:
+def build(database_url: str, closing: Callable[[Flask], Flask]) -> Callable[..., Flask]:
     """Apps with routes that narrow the fingerprint; each view answers a fresh id, so a
     replay (the same id) and a second run (another id) are told apart."""
-    apps: list[Flask] = []
 
     def make(fingerprint_fn: Any = None, **config: Any) -> Flask:
-        app = Flask(f"scope{len(apps)}")
-        app.config.update(IDEMPOTENCY_DATABASE_URL=database_url, **config)
-        idempotency = Idempotency(app)
-        idempotency.tenant_loader(lambda: "")
+        app = Flask("scope")
+        idempotency = extension_on(app, database_url, **config)
 
         def answer() -> dict[str, str]:
             return {"id": str(uuid.uuid4())}
@@ -116,12 +115,9 @@ def build(database_url: str) -> Iterator[Callable[..., Flask]]:
         if fingerprint_fn is not None:
             custom = idempotency.idempotent(fingerprint=fingerprint_fn)
             app.add_url_rule("/custom", "custom", custom(answer), methods=["POST"])
-        apps.append(app)
-        return app
+        return closing(app)
 
-    yield make
-    for app in apps:
-        app.extensions["idempotency"].store.close()
+    return make
 
 
 def _post(app: Flask, path: str, key: str, **kwargs: Any) -> Any:
@@ -368,9 +364,7 @@ def test_a_fingerprint_function_returning_garbage(
         body = problem(_post(app, "/custom", key, json={}), 500, "fingerprint-failed")
     assert body["detail"] == "The route's fingerprint function returned neither bytes nor text."
     assert "decision=fingerprint_failed" in caplog.text
-    assert db.execute(
-        "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
-    ).fetchone() == (0,)
+    assert key_rows(db, key) == 0
 
 
 def test_a_fingerprint_function_that_raises(
@@ -384,9 +378,7 @@ def test_a_fingerprint_function_that_raises(
         body = problem(_post(app, "/custom", key, json={}), 500, "fingerprint-failed")
     assert "KeyError" in body["detail"] and "secret-token-value" not in body["detail"]
     assert "broken raised" in caplog.text and "Traceback" in caplog.text
-    assert db.execute(
-        "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
-    ).fetchone() == (0,)
+    assert key_rows(db, key) == 0
 
 
 def test_hostile_values_in_and_beside_excluded_members() -> None:

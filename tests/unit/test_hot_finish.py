@@ -18,6 +18,7 @@ from flask_idempotency.state import get_state
 from flask_idempotency.store.ddl import INDEXES
 from tests.support import schema_before_issue_24
 from tests.support.helpers import DB, post, wait_until
+from tests.support.keys_table import unknown_keys_due
 from tests.support.old_tables import ROWS, app_on, create_old_table
 
 
@@ -106,13 +107,7 @@ def test_init_upgrades_the_previous_releases_table_and_its_finishes_become_hot(
         ).fetchall()
     }
     assert indexes == {f"{table}_pkey", *(f"{table}_{suffix}" for suffix in INDEXES)}
-    marked = db.execute(
-        sql.SQL(
-            "SELECT count(*) FILTER (WHERE reconcile_due_at IS NOT NULL), count(*)"
-            " FROM {} WHERE status = 'unknown'"
-        ).format(sql.Identifier(table))
-    ).fetchone()
-    assert marked == (5_000, 5_000)
+    assert unknown_keys_due(db, table) == (5_000, 5_000)
     before = wait_until(lambda: (u := updates(db, table))[0] >= 5_000 and u, 20)
     new_keys(app, 200)
     assert hot_share_of_finishes(db, table, before, 200) >= 0.9

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from flask import Flask
-from werkzeug.test import TestResponse
 
 from flask_idempotency import ConfigError
 from flask_idempotency.fingerprint import fingerprint
@@ -108,14 +106,8 @@ def test_same_key_other_endpoint_is_422(app: Flask, key: str, db: DB) -> None:
 
 
 def test_same_key_while_processing_is_409_with_retry_after(app: Flask, key: str, db: DB) -> None:
-    entered, proceed = app.extensions["test_gates"].add(key)
-    results: dict[str, TestResponse] = {}
-    first = threading.Thread(
-        target=lambda: results.update(first=post(app.test_client(), "/payments", key, X_Gate=key))
-    )
-    first.start()
+    first, proceed, results = hold_first(app, key)
     try:
-        assert entered.wait(10)
         twin = post(app.test_client(), "/payments", key)
         problem(twin, 409, "request-in-progress")
         assert twin.headers["Retry-After"] == "1"
@@ -189,13 +181,8 @@ def test_retry_hints_for_sdks(app: Flask, key: str) -> None:
     post(client, "/payments", key)
     mismatch = post(client, "/payments", key, {"amount": 1})
     assert mismatch.headers["Stripe-Should-Retry"] == "false"
-    entered, proceed = app.extensions["test_gates"].add(key + "-held")
-    first = threading.Thread(
-        target=lambda: post(app.test_client(), "/payments", key + "-held", X_Gate=key + "-held")
-    )
-    first.start()
+    first, proceed, _ = hold_first(app, key + "-held")
     try:
-        assert entered.wait(10)
         busy = post(client, "/payments", key + "-held")
         assert busy.status_code == 409 and busy.headers["Stripe-Should-Retry"] == "true"
     finally:

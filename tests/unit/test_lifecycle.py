@@ -15,7 +15,16 @@ from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 from flask_idempotency import signals
-from tests.support.helpers import executions, hold_first, lease_over, post, problem, wait_until
+from tests.support.helpers import (
+    executions,
+    hold_first,
+    lease_over,
+    post,
+    problem,
+    start_twin,
+    wait_until,
+)
+from tests.support.keys_table import key_rows
 
 DB = psycopg.Connection[TupleRow]
 
@@ -35,6 +44,18 @@ def key_exists(db: DB, key: str, tenant: str = "") -> bool:
         "SELECT 1 FROM idempotency_keys WHERE tenant = %s AND key = %s", (tenant, key)
     ).fetchone()
     return row is not None
+
+
+def key_expired(db: DB, key: str) -> Callable[[], bool]:
+    """For ``wait_until``: whether *key*'s time to live has run out, by the database's clock."""
+
+    def check() -> bool:
+        row = db.execute(
+            "SELECT expires_at <= now() FROM idempotency_keys WHERE key = %s", (key,)
+        ).fetchone()
+        return row == (True,)
+
+    return check
 
 
 @pytest.mark.parametrize("status", [400, 422, 429, 503])
@@ -129,9 +150,7 @@ def test_request_too_large_is_413(make_app: Callable[..., Flask], key: str, db: 
     app = make_app(IDEMPOTENCY_MAX_REQUEST_BYTES=100)
     problem(post(app.test_client(), "/payments", key, {"pad": "x" * 200}), 413, "request-too-large")
     assert executions(db, key) == 0
-    assert db.execute(
-        "SELECT count(*) FROM idempotency_keys WHERE key = %s", (key,)
-    ).fetchone() == (0,)
+    assert key_rows(db, key) == 0
 
 
 def test_abandoned_claim_is_taken_over_and_the_zombie_cannot_overwrite(
@@ -188,12 +207,8 @@ def test_waiting_twin_gets_the_replay_as_soon_as_the_first_finishes(
     app: Flask, key: str, db: DB
 ) -> None:
     first, proceed, results = hold_first(app, key, "/wait")
-    twin_result: dict[str, TestResponse] = {}
-    twin = threading.Thread(
-        target=lambda: twin_result.update(twin=post(app.test_client(), "/wait", key))
-    )
     started = time.monotonic()
-    twin.start()
+    twin, twin_result = start_twin(app, key, "/wait")
     # The twin is parked, not answered, while the first is held.
     time.sleep(0.3)
     assert twin.is_alive()
@@ -253,14 +268,7 @@ def test_expired_key_is_used_afresh(make_app: Callable[..., Flask], key: str, db
     app = make_app(IDEMPOTENCY_TTL=0.2)
     client = app.test_client()
     first = post(client, "/payments", key)
-    wait_until(
-        lambda: (
-            db.execute(
-                "SELECT expires_at <= now() FROM idempotency_keys WHERE key = %s", (key,)
-            ).fetchone()
-            == (True,)
-        )
-    )
+    wait_until(key_expired(db, key))
     second = post(client, "/payments", key, {"amount": 1})  # a new payload is fine now
     assert second.status_code == 201 and "Idempotent-Replayed" not in second.headers
     assert second.get_json()["attempt"] == 1
@@ -292,14 +300,7 @@ def test_replay_cache_entries_expire_with_the_key(
     client = app.test_client()
     post(client, "/payments", key)
     assert post(client, "/payments", key).headers["Idempotent-Replayed"] == "true"
-    wait_until(
-        lambda: (
-            db.execute(
-                "SELECT expires_at <= now() FROM idempotency_keys WHERE key = %s", (key,)
-            ).fetchone()
-            == (True,)
-        )
-    )
+    wait_until(key_expired(db, key))
     wait_until(lambda: app.extensions["idempotency"].replay_cache.get("", key) is None)
     fresh = post(client, "/payments", key, {"amount": 7})
     assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers

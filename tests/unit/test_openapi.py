@@ -19,6 +19,7 @@ from flask.views import MethodView
 from flask_smorest import Api, Blueprint
 
 from flask_idempotency import ConfigError, Idempotency
+from tests.support.extension import extension_on
 
 #: a URL nothing connects to: init_app parses it, a spec never opens the pool
 URL = "postgresql://openapi@127.0.0.1:9/none"
@@ -31,21 +32,15 @@ class Pet(ma.Schema):
 
 
 @pytest.fixture
-def made() -> Iterator[Callable[..., Idempotency]]:
-    """``made(app, **config)``: the extension on *app*; its pool is closed after the test."""
-    apps: list[Flask] = []
+def made(closing: Callable[[Flask], Flask]) -> Callable[..., Idempotency]:
+    """``made(app, **config)``: the extension on *app* (``error_format="stripe"`` sets
+    ``IDEMPOTENCY_ERROR_FORMAT``); its pool is closed after the test."""
 
     def init(app: Flask, **config: Any) -> Idempotency:
-        app.config["IDEMPOTENCY_DATABASE_URL"] = URL
-        app.config.update({f"IDEMPOTENCY_{k.upper()}": v for k, v in config.items()})
-        apps.append(app)
-        idempotency = Idempotency(app)
-        idempotency.tenant_loader(lambda: "")
-        return idempotency
+        settings = {f"IDEMPOTENCY_{k.upper()}": v for k, v in config.items()}
+        return extension_on(closing(app), URL, **settings)
 
-    yield init
-    for app in apps:
-        app.extensions["idempotency"].store.close()
+    return init
 
 
 # -- what an operation must (not) show ------------------------------------------------------
@@ -368,37 +363,36 @@ def test_apispec_paths_written_by_hand(made: Callable[..., Idempotency]) -> None
     assert_plain(paths["/elsewhere"]["post"])
 
 
-def test_a_key_header_the_app_describes_itself_is_kept(made: Callable[..., Idempotency]) -> None:
-    app = Flask("own")
-    idempotency = made(app)
+def one_route_by_hand(
+    made: Callable[..., Idempotency], path: str, operation: dict[str, Any], **config: Any
+) -> dict[str, Any]:
+    """The document of an APISpec given *operation* by hand for *path*, the one
+    (idempotent) POST route of an app whose extension has *config*."""
+    app = Flask("one_route")
+    idempotency = made(app, **config)
 
-    @app.post("/pets")
+    @app.post(path)
     @idempotency.idempotent
     def create() -> str:
         return ""
 
     spec = APISpec("t", "1", "3.0.3")
     idempotency.init_openapi(spec)
+    spec.path(path=path, operations={"post": operation})
+    document: dict[str, Any] = spec.to_dict()
+    return document
+
+
+def test_a_key_header_the_app_describes_itself_is_kept(made: Callable[..., Idempotency]) -> None:
     own = {"name": "idempotency-key", "in": "header", "required": True, "description": "mine"}
     operation = {"parameters": [own], "responses": {"201": {"description": "made"}}}
-    spec.path(path="/pets", operations={"post": operation})
-    parameters = spec.to_dict()["paths"]["/pets"]["post"]["parameters"]
-    assert parameters == [own]
+    document = one_route_by_hand(made, "/pets", operation)
+    assert document["paths"]["/pets"]["post"]["parameters"] == [own]
 
 
 def test_stripe_format_routes_say_so(made: Callable[..., Idempotency]) -> None:
-    app = Flask("stripe")
-    idempotency = made(app, error_format="stripe")
-
-    @app.post("/charges")
-    @idempotency.idempotent
-    def charge() -> str:
-        return ""
-
-    spec = APISpec("t", "1", "3.0.3")
-    idempotency.init_openapi(spec)
-    spec.path(path="/charges", operations={"post": {"responses": {"200": {"description": "ok"}}}})
-    document = spec.to_dict()
+    operation = {"responses": {"200": {"description": "ok"}}}
+    document = one_route_by_hand(made, "/charges", operation, error_format="stripe")
     responses = document["paths"]["/charges"]["post"]["responses"]
     # Stripe answers a reused key with 400, as application/json
     assert "422" not in responses and "key-reused" in responses["400"]["description"]

@@ -7,7 +7,6 @@ waits on LISTEN/NOTIFY, takes advisory locks, stages and dispatches jobs, runs t
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,10 +17,17 @@ import pytest
 from flask import Flask
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from werkzeug.test import TestResponse
 
 from flask_idempotency import Job, current_idempotency
-from tests.support.helpers import DB, executions, hold_first, post, problem, wait_until
+from tests.support.helpers import (
+    DB,
+    executions,
+    hold_first,
+    post,
+    problem,
+    start_twin,
+    wait_until,
+)
 
 
 @dataclass
@@ -157,12 +163,8 @@ def test_the_app_needs_only_dml_on_the_table(
     # A twin that waits: LISTEN on its own connection as the role, woken by NOTIFY.
     wait_key = key + "-wait"
     held, proceed, results = hold_first(app, wait_key, "/wait")
-    twin: dict[str, TestResponse] = {}
-    waiter = threading.Thread(
-        target=lambda: twin.update(r=post(app.test_client(), "/wait", wait_key))
-    )
     started = time.monotonic()
-    waiter.start()
+    waiter, twin_result = start_twin(app, wait_key, "/wait")
     try:
         wait_until(lambda: sessions(db, role.name, listening=True) > 0, 10)
     finally:
@@ -170,8 +172,8 @@ def test_the_app_needs_only_dml_on_the_table(
         held.join(10)
         waiter.join(10)
     assert results["first"].status_code == 201
-    assert twin["r"].headers["Idempotent-Replayed"] == "true"
-    assert twin["r"].data == results["first"].data
+    assert twin_result["twin"].headers["Idempotent-Replayed"] == "true"
+    assert twin_result["twin"].data == results["first"].data
     assert time.monotonic() - started < 5, "woken by NOTIFY, not by the 10 s wait running out"
 
     # The CLI: the cleaner deletes an expired key (SELECT ... FOR UPDATE, DELETE) as the role.

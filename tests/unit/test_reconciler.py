@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -17,30 +17,24 @@ from flask_idempotency import Idempotency, UnknownKey, signals
 from flask_idempotency.background.reconciler import Reconciliation
 from flask_idempotency.background.report import Outcome
 from flask_idempotency.state import get_state
-from tests.apps.completer_app import create_app
 from tests.support.helpers import DB, problem, wait_until
+from tests.support.keys_table import delete_keys
 
 RISKY = "/shop/risky"
 
 
 @pytest.fixture(autouse=True)
-def only_this_tests_keys(database_url: str) -> Iterator[None]:
+def only_this_tests_keys(database_url: str) -> None:
     """The reconciler takes every due unknown key of the table: start without any."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass('idempotency_keys')").fetchone() != (None,):
-            conn.execute("DELETE FROM idempotency_keys WHERE status = 'unknown'")
-    yield
+    delete_keys(database_url, "status = 'unknown'")
 
 
 @pytest.fixture
-def make(database_url: str) -> Iterator[Callable[..., Flask]]:
-    apps: list[Flask] = []
-
+def make(database_url: str, make_completer_app: Callable[..., Flask]) -> Callable[..., Flask]:
     def build(pending: set[str] | None = None, **config: Any) -> Flask:
         """An app whose reconciler finds charges by downstream key; keys in *pending*
         are undecided (the provider has not settled them yet)."""
-        app = create_app(database_url, **config)
-        apps.append(app)
+        app = make_completer_app(**config)
         idempotency: Idempotency = get_state(app).extension
 
         @idempotency.reconciler
@@ -58,9 +52,7 @@ def make(database_url: str) -> Iterator[Callable[..., Flask]]:
 
         return app
 
-    yield build
-    for app in apps:
-        app.extensions["idempotency"].store.close()
+    return build
 
 
 def send(app: Flask, key: str, **headers: str) -> Any:
@@ -265,11 +257,10 @@ def test_the_back_off_is_capped_at_one_hour(make: Callable[..., Flask], db: DB) 
     assert "look 2 of 10; next in 3600.0s" in result.output  # 3000 × 2 capped at 3600
 
 
-def test_without_a_reconciler_the_command_fails_with_one_line(database_url: str) -> None:
-    app = create_app(database_url)
-    try:
-        result = app.test_cli_runner().invoke(args=["idempotency-reconcile"])
-        assert result.exit_code == 1
-        assert "no reconciler is registered" in result.output
-    finally:
-        app.extensions["idempotency"].store.close()
+def test_without_a_reconciler_the_command_fails_with_one_line(
+    make_completer_app: Callable[..., Flask],
+) -> None:
+    app = make_completer_app()
+    result = app.test_cli_runner().invoke(args=["idempotency-reconcile"])
+    assert result.exit_code == 1
+    assert "no reconciler is registered" in result.output

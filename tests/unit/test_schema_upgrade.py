@@ -24,6 +24,7 @@ from flask_idempotency.store.ddl import (
     UPGRADE_JOB_COLUMNS,
 )
 from tests.support.helpers import DB, post, wait_until
+from tests.support.keys_table import unknown_keys_due
 from tests.support.old_tables import (
     ROWS,
     altering,
@@ -85,13 +86,7 @@ def test_init_upgrades_a_populated_old_table_online(
     assert not {f"{old_table}_{suffix}" for suffix in RETIRED_INDEXES} & indexes
     assert storage(db, old_table) == STORAGE
     # The old unknown keys are due for the reconciler: unknown_due_idx finds them.
-    unmarked = db.execute(
-        sql.SQL(
-            "SELECT count(*) FILTER (WHERE reconcile_due_at IS NULL), count(*)"
-            " FROM {} WHERE status = 'unknown'"
-        ).format(sql.Identifier(old_table))
-    ).fetchone()
-    assert unmarked == (0, ROWS // 4)
+    assert unknown_keys_due(db, old_table) == (ROWS // 4, ROWS // 4)
     defaults = db.execute(
         sql.SQL("SELECT count(*), sum(reconcile_attempts) FROM {} WHERE request IS NULL").format(
             sql.Identifier(old_table)

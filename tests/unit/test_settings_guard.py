@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -22,21 +22,16 @@ DB = psycopg.Connection[TupleRow]
 
 
 @pytest.fixture
-def fresh_app(database_url: str) -> Iterator[Callable[..., Flask]]:
+def fresh_app(database_url: str, closing: Callable[[Flask], Flask]) -> Callable[..., Flask]:
     """A bare Flask app with the extension; its pool is closed afterwards."""
-    apps: list[Flask] = []
 
     def make(**config: Any) -> Flask:
         app = Flask("guard")
         app.config["IDEMPOTENCY_DATABASE_URL"] = database_url
         app.config.update(config)
-        apps.append(app)
-        return app
+        return closing(app)
 
-    yield make
-    for app in apps:
-        if "idempotency" in app.extensions:
-            app.extensions["idempotency"].store.close()
+    return make
 
 
 # -- 7: impossible settings --------------------------------------------------------------

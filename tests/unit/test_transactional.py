@@ -13,17 +13,22 @@ from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 from flask_idempotency import signals
-from tests.support.helpers import count, executions, lease_over, post, problem, wait_until
+from tests.support.helpers import (
+    count,
+    executions,
+    hold_first,
+    lease_over,
+    post,
+    problem,
+    wait_until,
+)
+from tests.support.keys_table import key_rows
 
 DB = psycopg.Connection[TupleRow]
 
 
 def ledger_rows(db: DB, key: str) -> int:
     return count(db, "SELECT count(*) FROM ledger WHERE key = %s", key)
-
-
-def key_rows(db: DB, key: str) -> int:
-    return count(db, "SELECT count(*) FROM idempotency_keys WHERE key = %s", key)
 
 
 def test_writes_and_response_commit_together_once(app: Flask, key: str, db: DB) -> None:
@@ -166,14 +171,9 @@ def test_a_zombie_cannot_advance_the_recovery_point(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
     app = make_app(IDEMPOTENCY_LEASE=timedelta(milliseconds=300))
-    entered, proceed = app.extensions["test_gates"].add(key)
-    results: dict[str, TestResponse] = {}
-    zombie = threading.Thread(
-        target=lambda: results.update(zombie=post(app.test_client(), "/phased", key, X_Gate=key))
-    )
-    zombie.start()
+    # the zombie charges, and hangs before recording it
+    zombie, proceed, results = hold_first(app, key, "/phased")
     try:
-        assert entered.wait(10)  # the zombie charged, and hangs before recording it
         wait_until(lease_over(db, key))
         second = post(app.test_client(), "/phased", key)
         assert second.status_code == 201 and second.get_json()["attempt"] == 2
@@ -181,7 +181,7 @@ def test_a_zombie_cannot_advance_the_recovery_point(
         proceed.set()
         zombie.join(10)
     # The zombie's phase("charged") was fenced out: AttemptSuperseded, nothing committed.
-    assert results["zombie"].status_code == 500
+    assert results["first"].status_code == 500
     row = db.execute(
         "SELECT attempt, recovery_point, status FROM idempotency_keys WHERE key = %s", (key,)
     ).fetchone()

@@ -26,6 +26,7 @@ from flask_idempotency import (
 from flask_idempotency.metrics import PrometheusMetrics
 from tests.support.gunicorn_server import GunicornServer, db_sockets
 from tests.support.helpers import post
+from tests.support.keys_table import key_rows
 
 DB = psycopg.Connection[TupleRow]
 
@@ -186,7 +187,7 @@ def test_ending_the_keys_transaction_in_the_view_is_refused(
         owned_app.test_client().post("/rows", headers={"Idempotency-Key": key, "X-Do": what})
     # Nothing of the view committed, and the key is free for a retry (not processing).
     assert count(db, "SELECT count(*) FROM trap_rows WHERE key = %s", key) == 0
-    assert count(db, "SELECT count(*) FROM idempotency_keys WHERE key = %s", key) == 0
+    assert key_rows(db, key) == 0
     owned_app.testing = False
     retry = owned_app.test_client().post("/rows", headers={"Idempotency-Key": key})
     assert retry.status_code == 201

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import marshmallow as ma
@@ -23,6 +23,7 @@ from webargs.flaskparser import use_args
 from werkzeug.exceptions import HTTPException
 
 from flask_idempotency import Idempotency, StoreError, current_idempotency
+from tests.support.extension import extension_on
 from tests.support.helpers import post, problem, wait_until
 
 DB = psycopg.Connection[TupleRow]
@@ -42,20 +43,13 @@ def key_row(db: DB, key: str) -> tuple[Any, ...] | None:
 
 
 @pytest.fixture
-def made(database_url: str) -> Iterator[Callable[[Flask], Idempotency]]:
+def made(database_url: str, closing: Callable[[Flask], Flask]) -> Callable[[Flask], Idempotency]:
     """``made(app)``: the extension on *app*; its pool is closed after the test."""
-    apps: list[Flask] = []
 
     def init(app: Flask) -> Idempotency:
-        app.config.update(IDEMPOTENCY_DATABASE_URL=database_url, IDEMPOTENCY_POOL_TIMEOUT=3)
-        apps.append(app)
-        idempotency = Idempotency(app)
-        idempotency.tenant_loader(lambda: "")
-        return idempotency
+        return extension_on(closing(app), database_url, IDEMPOTENCY_POOL_TIMEOUT=3)
 
-    yield init
-    for app in apps:
-        app.extensions["idempotency"].store.close()
+    return init
 
 
 # -- a view that validates its own body --------------------------------------------------
