@@ -22,6 +22,7 @@ from psycopg.rows import TupleRow
 
 from tests.support.gunicorn_server import ROOT, GunicornServer, wait_until
 from tests.support.helpers import create_example_tables
+from tests.support.keys_table import key_row
 
 DB = psycopg.Connection[TupleRow]
 APP = "example.app:create_app()"
@@ -88,16 +89,6 @@ def pay(port: int, tenant: str, key: str, crash: str | None = None) -> tuple[int
         conn.close()
 
 
-def key_row(db: DB, tenant: str, key: str) -> tuple[Any, ...]:
-    row = db.execute(
-        "SELECT status, attempt, recovery_point, reconcile_attempts FROM idempotency_keys"
-        " WHERE tenant = %s AND key = %s",
-        (tenant, key),
-    ).fetchone()
-    assert row is not None
-    return row
-
-
 def charge_of(db: DB, tenant: str, key: str) -> tuple[int, int, str | None]:
     """(charges, provider calls, charge id) for the payment *key* of *tenant*."""
     row = db.execute(
@@ -134,7 +125,7 @@ def test_an_abandoned_phased_payment_is_completed_by_the_completer_and_replayed(
     server = start(start_gunicorn, database_url, db)
     tenant, key = f"acct-{uuid.uuid4().hex[:8]}", "order-1"
     assert pay(server.port, tenant, key, crash="after_charge") is None  # kill -9, no retry
-    assert key_row(db, tenant, key)[:3] == ("processing", 1, "payment_created")
+    assert key_row(db, tenant, key).progress() == ("processing", 1, "payment_created")
     assert charge_of(db, tenant, key)[:2] == (1, 1)
     abandoned(db, tenant, key)
 
@@ -146,7 +137,7 @@ def test_an_abandoned_phased_payment_is_completed_by_the_completer_and_replayed(
     print(f"\nidempotency-complete took {took:.2f} s (one key, app start included)")
     # attempt 2 resumed from payment_created: one payment row, the provider called again
     # with the same downstream key, one charge
-    assert key_row(db, tenant, key)[:3] == ("completed", 2, "charge_recorded")
+    assert key_row(db, tenant, key).progress() == ("completed", 2, "charge_recorded")
     charges, calls, charge_id = charge_of(db, tenant, key)
     assert (charges, calls) == (1, 2)
     payments = db.execute("SELECT count(*) FROM payments WHERE tenant = %s", (tenant,)).fetchone()
@@ -183,7 +174,7 @@ def test_two_completers_at_once_run_each_key_once(
     ]
     assert len(completed) == len(keys), outputs
     for key in keys:
-        assert key_row(db, tenant, key)[:2] == ("completed", 2)
+        assert key_row(db, tenant, key).progress()[:2] == ("completed", 2)
         charges, calls, _ = charge_of(db, tenant, key)
         assert (charges, calls) == (1, 1), key  # the provider was called once per payment
         answer = pay(server.port, tenant, key)
@@ -231,7 +222,7 @@ def test_the_reconciler_settles_unknown_payments_found_not_found_and_undecided(
     assert replay[1]["body"]["status"] == "succeeded"
     retried = pay(server.port, tenant, missing)  # not found: the retry runs it (attempt 2)
     assert retried is not None and retried[0] == 201 and not retried[1]["replayed"]
-    assert key_row(db, tenant, missing)[:2] == ("completed", 2)
+    assert key_row(db, tenant, missing).progress()[:2] == ("completed", 2)
     assert charge_of(db, tenant, missing)[:2] == (1, 1)
 
     # undecided: --loop looks again with back-off until the key is exhausted, then SIGTERM
@@ -244,7 +235,11 @@ def test_the_reconciler_settles_unknown_payments_found_not_found_and_undecided(
         text=True,
     )
     try:
-        wait_until(lambda: key_row(db, tenant, undecided)[3] == 3, 30, "the key's last look")
+        wait_until(
+            lambda: key_row(db, tenant, undecided).reconcile_attempts == 3,
+            30,
+            "the key's last look",
+        )
     finally:
         loop.send_signal(signal.SIGTERM)
         out, err = loop.communicate(timeout=30)
@@ -252,7 +247,7 @@ def test_the_reconciler_settles_unknown_payments_found_not_found_and_undecided(
     assert f"undecided tenant='{tenant}' key='{undecided}': look 2 of 3; next in 1.0s" in out
     assert f"exhausted tenant='{tenant}' key='{undecided}': after 3 undecided looks" in out
     assert "reconcile=exhausted" in err  # logged at ERROR
-    assert key_row(db, tenant, undecided)[0] == "unknown"
+    assert key_row(db, tenant, undecided).status == "unknown"
     still = pay(server.port, tenant, undecided)
     assert still is not None and still[0] == 409
     assert still[1]["body"]["type"].endswith("outcome-unknown")
@@ -269,7 +264,7 @@ def test_a_provider_webhook_resolves_an_unknown_payment_once(
     abandoned(db, tenant, key)
     marked = pay(server.port, tenant, key)  # the client's retry marks it unknown
     assert marked is not None and marked[0] == 409
-    assert key_row(db, tenant, key)[0] == "unknown"
+    assert key_row(db, tenant, key).status == "unknown"
     charge_id = charge_of(db, tenant, key)[2]
 
     def webhook(signature: str = "whsec_example") -> tuple[int, Any]:
@@ -284,10 +279,10 @@ def test_a_provider_webhook_resolves_an_unknown_payment_once(
             conn.close()
 
     assert webhook("forged")[0] == 401
-    assert key_row(db, tenant, key)[0] == "unknown"
+    assert key_row(db, tenant, key).status == "unknown"
     assert webhook() == (200, {"received": True, "resolved": True})
     assert webhook() == (200, {"received": True, "resolved": False})  # delivered twice
-    assert key_row(db, tenant, key)[0] == "completed"
+    assert key_row(db, tenant, key).status == "completed"
     replay = pay(server.port, tenant, key)
     assert replay is not None and replay[0] == 201 and replay[1]["replayed"]
     assert replay[1]["body"]["charge_id"] == charge_id

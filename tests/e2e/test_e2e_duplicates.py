@@ -14,6 +14,7 @@ from psycopg.rows import TupleRow
 
 from tests.apps.e2e_app import create_tables, environment
 from tests.support.gunicorn_server import GunicornServer, Response, db_sockets, post, race
+from tests.support.keys_table import key_row
 from tests.support.pgbouncer import PgBouncer
 
 DB = psycopg.Connection[TupleRow]
@@ -29,16 +30,6 @@ def execution_counts(db: DB, tenant: str) -> dict[str, int]:
         "SELECT key, count(*) FROM e2e_executions WHERE tenant = %s GROUP BY key", (tenant,)
     ).fetchall()
     return {key: int(count) for key, count in rows}
-
-
-def key_row(db: DB, tenant: str, key: str) -> tuple[str, int, bytes]:
-    row = db.execute(
-        "SELECT status, attempt, response_body FROM idempotency_keys"
-        " WHERE tenant = %s AND key = %s",
-        (tenant, key),
-    ).fetchone()
-    assert row is not None
-    return row[0], row[1], bytes(row[2])
 
 
 def check_race(answers: list[Response]) -> Response:
@@ -109,7 +100,7 @@ def test_40_concurrent_duplicates_run_the_view_once(
     assert execution_counts(db, tenant) == {key: 1}
     assert original.json()["attempt"] == 1
     check_final_replay(server.port, key, tenant, original)
-    assert key_row(db, tenant, key) == ("completed", 1, original.body)
+    assert key_row(db, tenant, key).answered() == ("completed", 1, original.body)
     if worker_class == "sync":
         # A sync worker runs one request at a time: while one ran the view, others answered.
         assert len({r.headers["X-Worker-Pid"] for r in answers}) >= 2
@@ -166,7 +157,7 @@ def test_through_pgbouncer_40_duplicates_over_5_keys_run_once_each(
         original = check_race(answers[i::5])
         assert original.json()["key"] == key
         check_final_replay(server.port, key, tenant, original)
-        assert key_row(db, tenant, key) == ("completed", 1, original.body)
+        assert key_row(db, tenant, key).answered() == ("completed", 1, original.body)
     # Really through the bouncer: the workers' pools are connected to it, not to PostgreSQL
     # (the view's own connections to the executions table are closed after each request).
     workers = server.worker_pids()

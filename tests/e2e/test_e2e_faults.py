@@ -24,6 +24,8 @@ from psycopg.rows import TupleRow
 
 from tests.apps.e2e_app import create_tables, environment
 from tests.support.gunicorn_server import GunicornServer, Response, post, wait_until
+from tests.support.helpers import lease_over
+from tests.support.keys_table import key_row
 
 DB = psycopg.Connection[TupleRow]
 APP = "tests.apps.e2e_app:create_app()"
@@ -59,33 +61,6 @@ def executions(db: DB, tenant: str, key: str) -> list[tuple[int, int]]:
         (tenant, key),
     ).fetchall()
     return [(int(attempt), int(pid)) for attempt, pid in rows]
-
-
-def key_row(db: DB, tenant: str, key: str) -> dict[str, Any]:
-    row = db.execute(
-        "SELECT status, attempt, locked_until > now(), response_body FROM idempotency_keys"
-        " WHERE tenant = %s AND key = %s",
-        (tenant, key),
-    ).fetchone()
-    assert row is not None
-    status, attempt, leased, body = row
-    return {
-        "status": status,
-        "attempt": attempt,
-        "leased": leased,
-        "body": bytes(body) if body is not None else None,
-    }
-
-
-def lease_over(db: DB, tenant: str, key: str) -> Callable[[], bool]:
-    def check() -> bool:
-        row = db.execute(
-            "SELECT locked_until <= now() FROM idempotency_keys WHERE tenant = %s AND key = %s",
-            (tenant, key),
-        ).fetchone()
-        return bool(row and row[0])
-
-    return check
 
 
 @contextmanager
@@ -164,14 +139,10 @@ def test_worker_killed_mid_view(
 
     # While the lease runs, a retry is told to come back later; the view does not run.
     assert_in_progress(retry(server.port, key, tenant))
-    assert key_row(db, tenant, key) == {
-        "status": "processing",
-        "attempt": 1,
-        "leased": True,
-        "body": None,
-    }
+    row = key_row(db, tenant, key)
+    assert (row.status, row.attempt, row.leased, row.body) == ("processing", 1, True, None)
 
-    wait_until(lease_over(db, tenant, key), 30, "the lease to run out", step=0.05)
+    wait_until(lease_over(db, key, tenant=tenant), 30, "the lease to run out", step=0.05)
     after_lease = retry(server.port, key, tenant)
     later = [retry(server.port, key, tenant) for _ in range(3)]
     runs = executions(db, tenant, key)
@@ -189,7 +160,7 @@ def test_worker_killed_mid_view(
             assert answer.status == 201 and answer.replayed
             assert answer.body == after_lease.body
         row = key_row(db, tenant, key)
-        assert (row["status"], row["attempt"], row["body"]) == ("completed", 2, after_lease.body)
+        assert (row.status, row.attempt, row.body) == ("completed", 2, after_lease.body)
         # The killed attempt's staged job died with it; attempt 2's committed with its answer.
         assert staged_jobs(db, tenant, key) == [{"attempt": 2}]
     else:
@@ -198,7 +169,7 @@ def test_worker_killed_mid_view(
             assert answer.status == 409
             assert answer.problem_type().endswith(":outcome-unknown")
         assert runs == [(1, victim)]
-        assert key_row(db, tenant, key)["status"] == "unknown"
+        assert key_row(db, tenant, key).status == "unknown"
         assert staged_jobs(db, tenant, key) == []
 
     # The master replaced the killed worker, and the service keeps answering.
@@ -225,12 +196,12 @@ def test_zombie_attempt_cannot_overwrite_its_successor(
         wait_until(lambda: executions(db, tenant, key), 30, "the view to start")
         assert_in_progress(retry(server.port, key, tenant))
         # Attempt 1 is held past its lease: a retry takes the key over and completes.
-        wait_until(lease_over(db, tenant, key), 30, "the lease to run out", step=0.05)
+        wait_until(lease_over(db, key, tenant=tenant), 30, "the lease to run out", step=0.05)
         second = retry(server.port, key, tenant)
         assert second.status == 201 and not second.replayed, second.body
         assert second.json()["attempt"] == 2
         row = key_row(db, tenant, key)
-        assert (row["status"], row["attempt"], row["body"]) == ("completed", 2, second.body)
+        assert (row.status, row.attempt, row.body) == ("completed", 2, second.body)
         assert not first  # attempt 1 is still held at its gate
         # Now the zombie finishes: its client gets its own answer, but nothing is stored.
         open_gate()
@@ -240,7 +211,7 @@ def test_zombie_attempt_cannot_overwrite_its_successor(
     assert zombie.json()["attempt"] == 1 and zombie.body != second.body
 
     row = key_row(db, tenant, key)
-    assert (row["status"], row["attempt"], row["body"]) == ("completed", 2, second.body)
+    assert (row.status, row.attempt, row.body) == ("completed", 2, second.body)
     for _ in range(3):
         replay = retry(server.port, key, tenant)
         assert replay.status == 201 and replay.replayed
@@ -251,5 +222,5 @@ def test_zombie_attempt_cannot_overwrite_its_successor(
     print(
         f"{worker_class} preload={preload}: executions (attempt, pid) {runs}; zombie answered"
         f" attempt {zombie.json()['attempt']}, stored and replayed attempt"
-        f" {row['attempt']}; 'decision=fenced' logged: {fenced}"
+        f" {row.attempt}; 'decision=fenced' logged: {fenced}"
     )

@@ -28,7 +28,7 @@ from flask_idempotency.testing.postgres import PostgresServer
 from tests.apps.e2e_app import create_tables, environment
 from tests.apps.ops_app import create_orders_table
 from tests.support.gunicorn_server import ROOT, GunicornServer, Response, post, race, wait_until
-from tests.support.helpers import DB, count
+from tests.support.helpers import DB, count, lease_over
 from tests.support.old_tables import create_old_table
 
 APP = "tests.apps.ops_app:create_app()"
@@ -107,16 +107,7 @@ def test_the_cleaner_marks_an_abandoned_claim_as_its_route_said(
         sent.join(60)
     assert key_status(db, key, table) == "processing"
 
-    def lease_over() -> bool:
-        row = db.execute(
-            sql.SQL("SELECT locked_until <= now() FROM {} WHERE key = %s").format(
-                sql.Identifier(table)
-            ),
-            (key,),
-        ).fetchone()
-        return bool(row and row[0])
-
-    wait_until(lease_over, 30, "the lease to end")
+    wait_until(lease_over(db, key, table=table), 30, "the lease to end")
     cleaned = flask_cli(env, "idempotency-clean", "--margin", "0")
     assert cleaned.returncode == 0, cleaned.stderr
     unknown = 1 if marked == "unknown" else 0

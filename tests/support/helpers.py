@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import psycopg
 from flask import Flask
 from flask.testing import FlaskClient
+from psycopg import sql
 from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
@@ -104,11 +105,20 @@ def wait_until(condition: Callable[[], T], timeout: float = 10) -> T:
     return value
 
 
-def lease_over(db: DB, key: str) -> Callable[[], bool]:
+def lease_over(
+    db: DB, key: str, *, tenant: str | None = None, table: str = "idempotency_keys"
+) -> Callable[[], bool]:
+    """A condition: the lease of *key*'s claim (in *tenant*, or in any) has run out."""
+    query = sql.SQL("SELECT locked_until <= now() FROM {} WHERE key = %s").format(
+        sql.Identifier(table)
+    )
+    params = [key]
+    if tenant is not None:
+        query += sql.SQL(" AND tenant = %s")
+        params.append(tenant)
+
     def check() -> bool:
-        row = db.execute(
-            "SELECT locked_until <= now() FROM idempotency_keys WHERE key = %s", (key,)
-        ).fetchone()
+        row = db.execute(query, params).fetchone()
         return bool(row and row[0])
 
     return check

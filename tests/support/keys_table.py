@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import psycopg
 from psycopg import sql
 
@@ -32,3 +34,38 @@ def unknown_keys_due(db: DB, table: str) -> tuple[int, int]:
     ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRow:
+    """What a test reads of one row of ``idempotency_keys``."""
+
+    status: str
+    attempt: int
+    recovery_point: str
+    #: its lease runs (``locked_until > now()``)
+    leased: bool
+    body: bytes | None
+    reconcile_attempts: int
+
+    def answered(self) -> tuple[str, int, bytes | None]:
+        """(status, attempt, stored body)."""
+        return self.status, self.attempt, self.body
+
+    def progress(self) -> tuple[str, int, str]:
+        """(status, attempt, recovery point)."""
+        return self.status, self.attempt, self.recovery_point
+
+
+def key_row(db: DB, tenant: str, key: str) -> KeyRow:
+    """*key*'s row in *tenant*; fails the test when there is none."""
+    row = db.execute(
+        "SELECT status, attempt, recovery_point, coalesce(locked_until > now(), false),"
+        " response_body, reconcile_attempts FROM idempotency_keys"
+        " WHERE tenant = %s AND key = %s",
+        (tenant, key),
+    ).fetchone()
+    assert row is not None, f"no row for key {key!r} of tenant {tenant!r}"
+    status, attempt, point, leased, body, looks = row
+    body = bytes(body) if body is not None else None
+    return KeyRow(status, attempt, point, leased, body, looks)
