@@ -9,7 +9,8 @@ import pytest
 from flask import Flask
 from psycopg.rows import TupleRow
 
-from tests.support.helpers import executions, hold_first, post, run_together
+from flask_idempotency.testing import send_twins
+from tests.support.helpers import executions, hold_first, post, twin
 from tests.support.pgbouncer import PgBouncer
 
 DB = psycopg.Connection[TupleRow]
@@ -31,7 +32,7 @@ def test_through_pgbouncer_the_race_runs_the_view_once(
 ) -> None:
     with psycopg.connect(bounced_app.config["IDEMPOTENCY_DATABASE_URL"]) as conn:
         assert conn.info.port != db.info.port  # really through the bouncer
-    results = run_together(40, lambda: post(bounced_app.test_client(), "/payments", key))
+    results = send_twins(bounced_app.test_client(), "POST", "/payments", 40, **twin(key))
     assert executions(db, key) == 1
     originals = [
         r for r in results if r.status_code == 201 and "Idempotent-Replayed" not in r.headers
@@ -92,7 +93,7 @@ def test_with_default_prepared_statements_the_store_switches_to_unprepared(
     with caplog.at_level(logging.WARNING, "flask_idempotency"):
         for round_ in range(3):
             key = f"default-prepared-{round_}"
-            results = run_together(40, lambda key=key: post(app.test_client(), "/payments", key))  # type: ignore[misc]
+            results = send_twins(app.test_client(), "POST", "/payments", 40, **twin(key))
             statuses = sorted(r.status_code for r in results)
             print(f"round {round_}: {statuses}")
             assert set(statuses) <= {201, 409}, [r.data for r in results if r.status_code >= 500]

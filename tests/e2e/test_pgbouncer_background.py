@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -28,7 +27,7 @@ from flask_idempotency.background.reconciler import Reconciliation
 from flask_idempotency.state import get_state
 from tests.apps import bounds_app
 from tests.apps.e2e_app import create_tables, environment
-from tests.support.helpers import count
+from tests.support.helpers import count, run_together
 from tests.support.pgbouncer import PgBouncer
 
 DB = psycopg.Connection[TupleRow]
@@ -67,28 +66,6 @@ def fresh_app(
         app.extensions["idempotency"].store.close()
 
 
-def together(count: int, work: Callable[[int], Any]) -> list[Any]:
-    """``work(i)`` for each i in its own thread, all at once; the results (no exception)."""
-    barrier = threading.Barrier(count)
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait(30)
-            results[i] = work(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not errors, errors
-    return results
-
-
 def switched(app: Flask) -> bool:
     """The app's store met a lost prepared statement and now sends them unprepared."""
     return app.extensions["idempotency"].store._prepare is False
@@ -124,7 +101,7 @@ def test_run_once_through_default_pgbouncer(
             ]
 
     with caplog.at_level(logging.WARNING, "flask_idempotency"):
-        results = together(THREADS, deliver)
+        results = run_together(THREADS, deliver, timeout=120)
     assert sorted(m for r in results for m in r) == sorted([f"m{n}" for n in range(KEYS)] * 2)
     assert sorted(calls) == sorted(f"m{n}" for n in range(KEYS))  # each ran once
     warnings = [r for r in caplog.records if "prepared statements fail" in r.getMessage()]
@@ -160,7 +137,7 @@ def test_the_background_batches_through_default_pgbouncer(
                     done += n
             return done
 
-        return sum(together(THREADS, work))
+        return sum(run_together(THREADS, work, timeout=120))
 
     runs: dict[str, tuple[int, bool]] = {}
     with caplog.at_level(logging.WARNING, "flask_idempotency"):

@@ -72,27 +72,28 @@ def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
     return body
 
 
-def run_together(count: int, request: Callable[[], TestResponse]) -> list[TestResponse]:
-    """Fire *count* requests from as many threads, released at once by a barrier."""
+def run_together(count: int, work: Callable[[int], T], timeout: float = 60) -> list[T]:
+    """``work(i)`` for i in ``range(count)``, each on a thread of its own, released at once by
+    a barrier; the results in that order. Fails the test with what any of them raised."""
     barrier = threading.Barrier(count)
-    results: list[TestResponse] = []
+    results: list[T | None] = [None] * count
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def run(i: int) -> None:
         try:
-            barrier.wait(10)
-            results.append(request())
+            barrier.wait(30)
+            results[i] = work(i)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker) for _ in range(count)]
+    threads = [threading.Thread(target=run, args=(i,), name=f"together-{i}") for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(60)
+        thread.join(timeout)
     assert not errors, errors
-    assert len(results) == count
-    return results
+    assert not any(thread.is_alive() for thread in threads), f"still running after {timeout} s"
+    return results  # type: ignore[return-value]  # every slot is filled (no error, none alive)
 
 
 def wait_until(condition: Callable[[], T], timeout: float = 10) -> T:

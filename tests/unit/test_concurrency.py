@@ -44,7 +44,7 @@ def test_many_keys_in_parallel_each_run_once(make_app: Callable[..., Flask], db:
     counter = iter(range(10_000))
     lock = threading.Lock()
 
-    def request() -> TestResponse:
+    def request(_: int) -> TestResponse:
         with lock:
             k = keys[next(counter) % len(keys)]
         return post(app.test_client(), "/payments", k)
