@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import psycopg
 from flask import Flask, request
 
-from flask_idempotency import Idempotency, Job, UnknownKey, current_idempotency
+from flask_idempotency import Idempotency, Job, UnknownKey
+from tests.apps.common import execute_ddl, record_execution
+from tests.apps.e2e_app import EXECUTIONS_TABLE, connect_executions
 from tests.apps.e2e_app import create_app as create_e2e_app
 
 TABLES = """
@@ -29,8 +30,7 @@ CREATE TABLE IF NOT EXISTS e2e_dispatched (
 
 def create_tables(url: str) -> None:
     """Create ``e2e_dispatched`` in the database at *url* (idempotent)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(TABLES)
+    execute_ddl(url, TABLES)
 
 
 def create_app() -> Flask:
@@ -38,18 +38,11 @@ def create_app() -> Flask:
     executions_url = os.environ["E2E_EXECUTIONS_URL"]
     idempotency: Idempotency = app.extensions["idempotency"].extension
 
-    def record(sql: str, params: tuple[Any, ...]) -> None:
-        with psycopg.connect(executions_url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(sql, params)
-
     @app.post("/export")
     @idempotency.idempotent(asynchronous=True, stored_request_headers=("Content-Type", "X-Tenant"))
     def export() -> tuple[dict[str, Any], int]:
-        record(
-            "INSERT INTO e2e_executions (tenant, key, attempt, pid) VALUES (%s, %s, %s, %s)",
-            (current_idempotency.tenant, current_idempotency.key, current_idempotency.attempt,
-             os.getpid()),
-        )  # fmt: skip
+        with connect_executions(executions_url) as conn:
+            record_execution(conn, EXECUTIONS_TABLE)
         return {"rows": (request.get_json(silent=True) or {}).get("rows")}, 201
 
     @idempotency.reconciler
@@ -58,9 +51,10 @@ def create_app() -> Flask:
 
     @idempotency.dispatcher
     def dispatch(job: Job) -> None:
-        record(
-            "INSERT INTO e2e_dispatched (job, name, key, pid) VALUES (%s, %s, %s, %s)",
-            (job.id, job.name, job.key, os.getpid()),
-        )
+        with connect_executions(executions_url) as conn:
+            conn.execute(
+                "INSERT INTO e2e_dispatched (job, name, key, pid) VALUES (%s, %s, %s, %s)",
+                (job.id, job.name, job.key, os.getpid()),
+            )
 
     return app

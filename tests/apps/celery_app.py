@@ -15,7 +15,6 @@ at a named gate (recording the pid of the process there) until a test opens it.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +24,7 @@ from flask import Flask, request
 
 from flask_idempotency import Idempotency, Job, RequestInProgress, current_idempotency
 from flask_idempotency.celery import CeleryDispatcher, job_traceparent
+from tests.apps.common import wait_for_gate
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS celery_receipts (job text, attempt integer, pid integer);
@@ -36,7 +36,9 @@ CREATE TABLE IF NOT EXISTS dispatched (job text, pid integer);
 CREATE TABLE IF NOT EXISTS exports (key text, attempt integer, pid integer);
 CREATE TABLE IF NOT EXISTS traced (job text, header text, pid integer);
 """
+#: the longest a task or the dispatcher waits at its gate, and the pause between two looks
 GATE_TIMEOUT = 60.0
+GATE_POLL = 0.05
 
 
 def make_apps(database_url: str, broker_url: str) -> tuple[Flask, Celery]:
@@ -150,14 +152,7 @@ def wait_at_gate(database_url: str, name: str) -> None:
             " ON CONFLICT (name) DO UPDATE SET pid = excluded.pid",
             (name, os.getpid()),
         )
-        deadline = time.monotonic() + GATE_TIMEOUT
-        while True:
-            row = conn.execute("SELECT open FROM celery_gates WHERE name = %s", (name,)).fetchone()
-            if row and row[0]:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gate {name} was never opened")
-            time.sleep(0.05)
+        wait_for_gate(conn, "celery_gates", name, timeout=GATE_TIMEOUT, poll=GATE_POLL)
 
 
 if os.environ.get("CELERY_TEST_DATABASE_URL"):

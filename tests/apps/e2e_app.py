@@ -21,66 +21,64 @@ never stored nor replayed: it tells which worker answered.
 
 from __future__ import annotations
 
-import json
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
 from flask import Flask, request
 
-from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency import current_idempotency
+from tests.apps.common import (
+    add_worker_pid_header,
+    app_from_environment,
+    execute_ddl,
+    executions_table_ddl,
+    gates_table_ddl,
+    idempotency_environment,
+    record_execution,
+    sleep_requested_delay,
+    wait_at_requested_gate,
+)
 
-TABLES = """
-CREATE TABLE IF NOT EXISTS e2e_executions (
-    tenant text NOT NULL,
-    key text NOT NULL,
-    attempt integer NOT NULL,
-    pid integer NOT NULL,
-    at timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE TABLE IF NOT EXISTS e2e_gates (
-    name text PRIMARY KEY,
-    open boolean NOT NULL DEFAULT false
-);
-"""
-
-#: the longest a gated view waits for its gate (it then fails with a 500)
-GATE_TIMEOUT = 30.0
-GATE_POLL = 0.02
+#: one row per execution of a view (tenant, key, attempt, pid, at)
+EXECUTIONS_TABLE = "e2e_executions"
+#: the gates a test holds views at (name, open)
+GATES_TABLE = "e2e_gates"
+TABLES = executions_table_ddl(EXECUTIONS_TABLE) + gates_table_ddl(GATES_TABLE)
+#: the longest a view sleeps for ``X-Delay``
+MAX_DELAY = 10.0
 
 
 def create_tables(url: str) -> None:
     """Create ``e2e_executions`` and ``e2e_gates`` in the database at *url* (idempotent)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(TABLES)
+    execute_ddl(url, TABLES)
 
 
 def environment(store_url: str, executions_url: str, **settings: Any) -> dict[str, str]:
     """The environment that configures this app: the store, the executions database, and
     ``IDEMPOTENCY_<NAME>`` settings given as ``name=value`` (``lease=3``)."""
-    env = {"FLASK_IDEMPOTENCY_DATABASE_URL": store_url, "E2E_EXECUTIONS_URL": executions_url}
-    for name, value in settings.items():
-        text = value if isinstance(value, str) else json.dumps(value)
-        env["FLASK_IDEMPOTENCY_" + name.upper()] = text
-    return env
+    return {**idempotency_environment(store_url, **settings), "E2E_EXECUTIONS_URL": executions_url}
+
+
+def connect_executions(url: str) -> psycopg.Connection[Any]:
+    """An autocommit connection to the executions database at *url* (giving up after 10 s)."""
+    return psycopg.connect(url, autocommit=True, connect_timeout=10)
+
+
+def record_then_hold(executions_url: str) -> None:
+    """How a view of this app (and of tests/apps/ops_app.py) starts: record its execution in
+    ``e2e_executions`` (committed), wait at the request's ``X-Gate`` if it names one, then
+    take its ``X-Delay``."""
+    with connect_executions(executions_url) as conn:
+        record_execution(conn, EXECUTIONS_TABLE)
+        wait_at_requested_gate(conn, GATES_TABLE)
+    sleep_requested_delay(MAX_DELAY)
 
 
 def create_app() -> Flask:
-    app = Flask("e2e_app")
-    app.config.from_prefixed_env()
     executions_url = os.environ["E2E_EXECUTIONS_URL"]
-    idempotency = Idempotency(app)
-
-    @idempotency.tenant_loader
-    def tenant() -> str:
-        return request.headers.get("X-Tenant", "")
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
+    app, idempotency = app_from_environment("e2e_app")
 
     @app.post("/pay")
     @idempotency.idempotent
@@ -88,17 +86,7 @@ def create_app() -> Flask:
         attempt = current_idempotency.attempt
         # Staged before the gate: a worker killed there must leave no job behind.
         current_idempotency.stage("receipt", {"attempt": attempt})
-        with psycopg.connect(executions_url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(
-                "INSERT INTO e2e_executions (tenant, key, attempt, pid) VALUES (%s, %s, %s, %s)",
-                (current_idempotency.tenant, current_idempotency.key, attempt, os.getpid()),
-            )
-            gate = request.headers.get("X-Gate")
-            if gate:
-                wait_for_gate(conn, gate)
-        delay = float(request.headers.get("X-Delay", "0"))
-        if delay > 0:
-            time.sleep(min(delay, 10.0))
+        record_then_hold(executions_url)
         payment_id = str(uuid.uuid4())
         body = {
             "id": payment_id,
@@ -114,30 +102,5 @@ def create_app() -> Flask:
         }
         return body, 201, headers
 
-    app.wsgi_app = WorkerPid(app.wsgi_app)  # type: ignore[method-assign]
+    add_worker_pid_header(app)
     return app
-
-
-def wait_for_gate(conn: psycopg.Connection[Any], gate: str) -> None:
-    """Return once the gate row is open; raise after GATE_TIMEOUT seconds."""
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while True:
-        row = conn.execute("SELECT open FROM e2e_gates WHERE name = %s", (gate,)).fetchone()
-        if row is not None and row[0]:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {gate!r} was not opened within {GATE_TIMEOUT} s")
-        time.sleep(GATE_POLL)
-
-
-class WorkerPid:
-    """WSGI middleware adding ``X-Worker-Pid`` to every response (after the extension)."""
-
-    def __init__(self, app: Callable[..., Iterable[bytes]]) -> None:
-        self.app = app
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
-            return start_response(status, [*headers, ("X-Worker-Pid", str(os.getpid()))], *args)
-
-        return self.app(environ, start)

@@ -29,14 +29,20 @@ import json
 import logging
 import os
 import sys
-import time
 import uuid
 from typing import Any
 
 import psycopg
-from flask import Flask, Response, request
+from flask import Flask, Response
 
-from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
+from flask_idempotency import UnknownKey, completing, current_idempotency
+from tests.apps.common import (
+    app_from_environment,
+    execute_ddl,
+    idempotency_environment,
+    record_execution,
+    sleep_requested_delay,
+)
 
 EXECUTIONS = """
 CREATE TABLE IF NOT EXISTS fault_executions (
@@ -51,6 +57,8 @@ CREATE TABLE IF NOT EXISTS fault_executions (
 );
 CREATE INDEX IF NOT EXISTS fault_executions_key ON fault_executions (tenant, key);
 """
+#: one row per execution of a view (route, tenant, key, attempt, pid, completing, body)
+EXECUTIONS_TABLE = "fault_executions"
 
 #: on the store's own server: the transactional route's effect (no unique constraint on
 #: purpose: a second commit must show as a second row, not be hidden by a constraint)
@@ -70,20 +78,17 @@ MAX_DELAY = 5.0
 def create_tables(store_url: str, executions_url: str) -> None:
     """The ledger on the store's server and the executions table on the other one; made
     once before the workers start (workers creating them together could race)."""
-    with psycopg.connect(store_url, autocommit=True) as conn:
-        conn.execute(LEDGER)
-    with psycopg.connect(executions_url, autocommit=True) as conn:
-        conn.execute(EXECUTIONS)
+    execute_ddl(store_url, LEDGER)
+    execute_ddl(executions_url, EXECUTIONS)
 
 
 def environment(store_url: str, executions_url: str, **settings: Any) -> dict[str, str]:
     """The environment that configures this app: ``name=value`` becomes
     ``FLASK_IDEMPOTENCY_<NAME>`` (JSON-encoded unless a string)."""
-    env = {"FLASK_IDEMPOTENCY_DATABASE_URL": store_url, "FAULT_EXECUTIONS_URL": executions_url}
-    for name, value in settings.items():
-        text = value if isinstance(value, str) else json.dumps(value)
-        env["FLASK_IDEMPOTENCY_" + name.upper()] = text
-    return env
+    return {
+        **idempotency_environment(store_url, **settings),
+        "FAULT_EXECUTIONS_URL": executions_url,
+    }
 
 
 def answer(body: str) -> Response:
@@ -110,16 +115,11 @@ def _log_decisions() -> None:
 
 def create_app() -> Flask:
     _log_decisions()
-    app = Flask("fault_app")
-    app.config.from_prefixed_env()
     executions_url = os.environ["FAULT_EXECUTIONS_URL"]
-    idempotency = Idempotency(app)
-
-    @idempotency.tenant_loader
-    def tenant() -> str:
-        # Stored with a complete=True claim (IDEMPOTENCY_STORED_REQUEST_HEADERS), so the
-        # completer's rebuilt request names the key's own tenant.
-        return request.headers.get("X-Tenant", "")
+    # The tenant is X-Tenant: stored with a complete=True claim
+    # (IDEMPOTENCY_STORED_REQUEST_HEADERS), so the completer's rebuilt request names the
+    # key's own tenant.
+    app, idempotency = app_from_environment("fault_app")
 
     @idempotency.reconciler
     def reconcile(key: UnknownKey) -> Any:
@@ -135,10 +135,6 @@ def create_app() -> Flask:
             ).fetchone()
         return answer(row[0]) if row is not None else idempotency.RETRYABLE
 
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
-
     def execute(route: str) -> str:
         """Record this execution, then take X-Delay seconds; the body to answer."""
         body = json.dumps(
@@ -151,23 +147,10 @@ def create_app() -> Flask:
             sort_keys=True,
         )
         with psycopg.connect(executions_url, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(
-                "INSERT INTO fault_executions"
-                " (route, tenant, key, attempt, pid, completing, body)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-                (
-                    route,
-                    current_idempotency.tenant,
-                    current_idempotency.key,
-                    current_idempotency.attempt,
-                    os.getpid(),
-                    completing() is not None,
-                    body,
-                ),
+            record_execution(
+                conn, EXECUTIONS_TABLE, route=route, completing=completing() is not None, body=body
             )
-        delay = float(request.headers.get("X-Delay", "0"))
-        if delay > 0:
-            time.sleep(min(delay, MAX_DELAY))
+        sleep_requested_delay(MAX_DELAY)
         return body
 
     @app.post("/charge")

@@ -10,6 +10,7 @@ from prometheus_client import generate_latest
 
 from flask_idempotency import Idempotency
 from flask_idempotency.metrics import PrometheusMetrics
+from tests.apps.common import add_health_route
 
 
 def create_app() -> Flask:
@@ -17,10 +18,7 @@ def create_app() -> Flask:
     app.config["IDEMPOTENCY_DATABASE_URL"] = os.environ["METRICS_APP_DATABASE_URL"]
     Idempotency(app)
     PrometheusMetrics(app)
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
+    add_health_route(app)
 
     @app.get("/metrics")
     def metrics() -> bytes:

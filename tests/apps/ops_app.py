@@ -18,15 +18,14 @@ honours ``X-Gate`` and ``X-Delay`` as tests/apps/e2e_app.py does, and answers a 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any
 
-import psycopg
-from flask import Flask, request
+from flask import Flask
 
-from flask_idempotency import Idempotency, current_idempotency
-from tests.apps.e2e_app import WorkerPid, wait_for_gate
+from flask_idempotency import current_idempotency
+from tests.apps.common import add_worker_pid_header, app_from_environment, execute_ddl
+from tests.apps.e2e_app import record_then_hold
 
 ORDERS = """
 CREATE TABLE IF NOT EXISTS ops_orders (
@@ -38,37 +37,12 @@ CREATE TABLE IF NOT EXISTS ops_orders (
 
 
 def create_app() -> Flask:
-    app = Flask("ops_app")
-    app.config.from_prefixed_env()
     executions_url = os.environ["E2E_EXECUTIONS_URL"]
-    idempotency = Idempotency(app)
-
-    @idempotency.tenant_loader
-    def tenant() -> str:
-        return request.headers.get("X-Tenant", "")
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
+    app, idempotency = app_from_environment("ops_app")
 
     def run() -> tuple[dict[str, Any], int]:
         """Record this execution, wait at the gate or sleep if asked, answer a new id."""
-        with psycopg.connect(executions_url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute(
-                "INSERT INTO e2e_executions (tenant, key, attempt, pid) VALUES (%s, %s, %s, %s)",
-                (
-                    current_idempotency.tenant,
-                    current_idempotency.key,
-                    current_idempotency.attempt,
-                    os.getpid(),
-                ),
-            )
-            gate = request.headers.get("X-Gate")
-            if gate:
-                wait_for_gate(conn, gate)
-        delay = float(request.headers.get("X-Delay", "0"))
-        if delay > 0:
-            time.sleep(min(delay, 10.0))
+        record_then_hold(executions_url)
         return {"id": str(uuid.uuid4()), "attempt": current_idempotency.attempt}, 201
 
     @app.post("/unknown")
@@ -91,11 +65,10 @@ def create_app() -> Flask:
         )
         return body, status
 
-    app.wsgi_app = WorkerPid(app.wsgi_app)  # type: ignore[method-assign]
+    add_worker_pid_header(app)
     return app
 
 
 def create_orders_table(url: str) -> None:
     """The table ``POST /orders`` writes in the key's transaction (idempotent)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(ORDERS)
+    execute_ddl(url, ORDERS)

@@ -11,7 +11,6 @@ writes, ``X-Gate`` holds it at a gate row (on its own connection), ``X-Delay`` s
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any
 
@@ -21,6 +20,12 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, current_idempotency
+from tests.apps.common import (
+    add_health_route,
+    sleep_requested_delay,
+    tenant_from_header,
+    wait_for_gate,
+)
 
 
 class Base(DeclarativeBase):
@@ -30,6 +35,7 @@ class Base(DeclarativeBase):
 db = SQLAlchemy(model_class=Base)
 idempotency = Idempotency()
 orders = Blueprint("orders", __name__)
+add_health_route(orders)
 
 
 class Order(db.Model):  # type: ignore[name-defined,misc]
@@ -51,14 +57,8 @@ def create_order() -> tuple[dict[str, Any], int]:
     if gate:
         url = current_app.config["SQLALCHEMY_DATABASE_URI"].replace("+psycopg", "")
         with psycopg.connect(url) as conn:
-            deadline = time.monotonic() + 30
-            while not conn.execute(
-                "SELECT open FROM e2e_gates WHERE name = %s", (gate,)
-            ).fetchone()[0]:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(gate)
-                time.sleep(0.02)
-    time.sleep(min(float(request.headers.get("X-Delay", "0")), 10))
+            wait_for_gate(conn, "e2e_gates", gate)
+    sleep_requested_delay(10.0)
     if request.headers.get("X-Raise"):
         raise RuntimeError("after the writes")
     return {"id": order.id, "amount": order.amount, "pid": os.getpid()}, 201
@@ -72,11 +72,6 @@ def create_plain_order() -> tuple[dict[str, Any], int]:
     return {"id": order.id}, 201
 
 
-@orders.get("/health")
-def health() -> str:
-    return "ok"
-
-
 def create_app(**config: Any) -> Flask:
     app = Flask("orm_app")
     app.config.from_prefixed_env()
@@ -84,7 +79,7 @@ def create_app(**config: Any) -> Flask:
     app.config.update(config)
     db.init_app(app)
     idempotency.init_app(app, sqlalchemy=db)
-    idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+    idempotency.tenant_loader(tenant_from_header)
     app.register_blueprint(orders)
     with app.app_context():
         db.create_all()

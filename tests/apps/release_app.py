@@ -3,9 +3,9 @@
 
 It uses only the public API every release since ``f804229`` has (``Idempotency``,
 ``tenant_loader``, ``idempotent`` bare and with options, ``current_idempotency.key``,
-``.tenant``, ``.attempt``, ``reconciler``), so the very same file runs on the old code and on
-the new: which ``flask_idempotency`` it gets is decided by the working directory and
-``PYTHONPATH`` alone (as in a deploy), and
+``.tenant``, ``.attempt``, ``reconciler``; so does tests/apps/common.py, which it imports),
+so the very same file runs on the old code and on the new: which ``flask_idempotency`` it gets
+is decided by the working directory and ``PYTHONPATH`` alone (as in a deploy), and
 ``GET /release`` says which one it got.
 
 Configured by the environment only:
@@ -29,35 +29,31 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from flask import Flask, Response, request
+from flask import Flask, Response
 
 import flask_idempotency
-from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency import current_idempotency
+from tests.apps.common import (
+    app_from_environment,
+    execute_ddl,
+    executions_table_ddl,
+    gates_table_ddl,
+    record_execution,
+    wait_at_requested_gate,
+)
 
-TABLES = """
-CREATE TABLE IF NOT EXISTS executions (
-    tenant text NOT NULL,
-    key text NOT NULL,
-    attempt integer NOT NULL,
-    pid integer NOT NULL,
-    release text NOT NULL,
-    at timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE TABLE IF NOT EXISTS gates (
-    name text PRIMARY KEY,
-    open boolean NOT NULL DEFAULT false
-);
-"""
-
-#: the longest a gated view waits for its gate (it then fails with a 500)
-GATE_TIMEOUT = 30.0
-GATE_POLL = 0.02
+#: one row per execution of a view (tenant, key, attempt, pid, release, at)
+EXECUTIONS_TABLE = "executions"
+#: the gates a test holds views at (name, open)
+GATES_TABLE = "gates"
+#: what this app adds to an execution's row: the label of the release that ran it
+RELEASE_COLUMN = "release text NOT NULL"
+TABLES = executions_table_ddl(EXECUTIONS_TABLE, RELEASE_COLUMN) + gates_table_ddl(GATES_TABLE)
 
 #: this process's connection to the executions database (opened after gunicorn forks)
 _connection: dict[int, psycopg.Connection[Any]] = {}
@@ -66,8 +62,7 @@ _connection_lock = threading.Lock()
 
 def create_tables(url: str) -> None:
     """Create ``executions`` and ``gates`` in the database at *url* (idempotent)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(TABLES)
+    execute_ddl(url, TABLES)
 
 
 def _executions(url: str) -> psycopg.Connection[Any]:
@@ -83,20 +78,10 @@ def _executions(url: str) -> psycopg.Connection[Any]:
 
 
 def create_app() -> Flask:
-    app = Flask("release_app")
-    app.config.from_prefixed_env()
     release = os.environ["RELEASE_NAME"]
     executions_url = os.environ["RELEASE_EXECUTIONS_URL"]
-    idempotency = Idempotency(app)
+    app, idempotency = app_from_environment("release_app")
     metrics_view = _metrics(app)
-
-    @idempotency.tenant_loader
-    def tenant() -> str:
-        return request.headers.get("X-Tenant", "")
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
 
     @app.get("/release")
     def which() -> dict[str, str]:
@@ -109,20 +94,8 @@ def create_app() -> Flask:
 
     def run_view() -> tuple[dict[str, Any], int]:
         conn = _executions(executions_url)
-        conn.execute(
-            "INSERT INTO executions (tenant, key, attempt, pid, release)"
-            " VALUES (%s, %s, %s, %s, %s)",
-            (
-                current_idempotency.tenant,
-                current_idempotency.key,
-                current_idempotency.attempt,
-                os.getpid(),
-                release,
-            ),
-        )
-        gate = request.headers.get("X-Gate")
-        if gate:
-            wait_for_gate(conn, gate)
+        record_execution(conn, EXECUTIONS_TABLE, release=release)
+        wait_at_requested_gate(conn, GATES_TABLE)
         body = {
             "id": str(uuid.uuid4()),
             "key": current_idempotency.key,
@@ -163,15 +136,3 @@ def _metrics(app: Flask) -> Callable[[], Response]:
         return Response(generate_latest(registry), mimetype="text/plain")
 
     return view
-
-
-def wait_for_gate(conn: psycopg.Connection[Any], gate: str) -> None:
-    """Return once the gate row is open; raise after GATE_TIMEOUT seconds."""
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while True:
-        row = conn.execute("SELECT open FROM gates WHERE name = %s", (gate,)).fetchone()
-        if row is not None and row[0]:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {gate!r} was not opened within {GATE_TIMEOUT} s")
-        time.sleep(GATE_POLL)

@@ -21,16 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 import uuid
 from typing import Any
 
 import psycopg
-from flask import Blueprint, Flask, current_app, request
+from flask import Blueprint, Flask, current_app
 from flask.views import MethodView
 
-from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency import current_idempotency
+from tests.apps.common import (
+    app_from_environment,
+    execute_ddl,
+    gates_table_ddl,
+    requested_gate_pauses,
+    wait_at_requested_gate,
+)
 
+#: the gates a test holds views at (name, open)
+GATES_TABLE = "shape_gates"
 TABLES = """
 CREATE TABLE IF NOT EXISTS shape_runs (
     shape text NOT NULL,
@@ -38,84 +46,61 @@ CREATE TABLE IF NOT EXISTS shape_runs (
     attempt integer NOT NULL,
     pid integer NOT NULL
 );
-CREATE TABLE IF NOT EXISTS shape_gates (
-    name text PRIMARY KEY,
-    open boolean NOT NULL DEFAULT false
-);
-"""
-
-#: the longest a gated view waits for its gate (it then fails with a 500)
-GATE_TIMEOUT = 30.0
+""" + gates_table_ddl(GATES_TABLE)
 
 
 def create_tables(url: str) -> None:
     """Create ``shape_runs`` and ``shape_gates`` in the database at *url* (idempotent)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(TABLES)
+    execute_ddl(url, TABLES)
 
 
-def _record(shape: str) -> dict[str, Any]:
-    """Record this execution; the view's answer."""
+def _connect() -> psycopg.Connection[Any]:
+    """An autocommit connection to the store's database (giving up after 10 s)."""
     url = current_app.config["IDEMPOTENCY_DATABASE_URL"]
-    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
-        conn.execute(
-            "INSERT INTO shape_runs (shape, key, attempt, pid) VALUES (%s, %s, %s, %s)",
-            (shape, current_idempotency.key, current_idempotency.attempt, os.getpid()),
-        )
-    return {"shape": shape, "id": str(uuid.uuid4()), "key": current_idempotency.key}
+    return psycopg.connect(url, autocommit=True, connect_timeout=10)
 
 
-def _gate_open(name: str) -> bool:
-    url = current_app.config["IDEMPOTENCY_DATABASE_URL"]
-    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
-        row = conn.execute("SELECT open FROM shape_gates WHERE name = %s", (name,)).fetchone()
-    return bool(row and row[0])
+def _record(conn: psycopg.Connection[Any], shape: str) -> tuple[dict[str, Any], int]:
+    """Record this execution of the view of *shape* (committed); the view's answer."""
+    conn.execute(
+        "INSERT INTO shape_runs (shape, key, attempt, pid) VALUES (%s, %s, %s, %s)",
+        (shape, current_idempotency.key, current_idempotency.attempt, os.getpid()),
+    )
+    return {"shape": shape, "id": str(uuid.uuid4()), "key": current_idempotency.key}, 201
 
 
-async def _await_gate() -> None:
-    """Wait, without blocking the event loop between looks, for the request's gate."""
-    gate = request.headers.get("X-Gate")
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while gate and not _gate_open(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {gate!r} was not opened within {GATE_TIMEOUT} s")
-        await asyncio.sleep(0.02)
+def _run(shape: str) -> tuple[dict[str, Any], int]:
+    """A view of *shape*: record its execution, then wait at the request's ``X-Gate``."""
+    with _connect() as conn:
+        answer = _record(conn, shape)
+        wait_at_requested_gate(conn, GATES_TABLE)
+    return answer
 
 
-def _wait_gate() -> None:
-    gate = request.headers.get("X-Gate")
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while gate and not _gate_open(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {gate!r} was not opened within {GATE_TIMEOUT} s")
-        time.sleep(0.02)
+async def _run_async(shape: str) -> tuple[dict[str, Any], int]:
+    """An ``async def`` view of *shape*: as :func:`_run`, without blocking the event loop
+    between two looks at the gate."""
+    with _connect() as conn:
+        answer = _record(conn, shape)
+        for pause in requested_gate_pauses(conn, GATES_TABLE):
+            await asyncio.sleep(pause)
+    return answer
 
 
 def create_app() -> Flask:
-    app = Flask("shapes_app")
-    app.config.from_prefixed_env()
-    idempotency = Idempotency(app)
-    idempotency.tenant_loader(lambda: "")
-
-    @app.get("/health")
-    def health() -> str:
-        return "ok"
+    app, idempotency = app_from_environment("shapes_app", tenant_loader=lambda: "")
 
     @app.post("/async")
     @idempotency.idempotent
     async def async_view() -> tuple[dict[str, Any], int]:
-        body = _record("async")
-        await _await_gate()
-        return body, 201
+        return await _run_async("async")
 
     bp = Blueprint("bp", __name__, url_prefix="/bp")
 
     @bp.post("/async")
     @idempotency.idempotent
     async def blueprint_async_view() -> tuple[dict[str, Any], int]:
-        body = _record("blueprint-async")
-        await _await_gate()
-        return body, 201
+        return await _run_async("blueprint-async")
 
     class Orders(MethodView):
         def get(self) -> dict[str, Any]:
@@ -123,18 +108,14 @@ def create_app() -> Flask:
 
         @idempotency.idempotent
         def post(self) -> tuple[dict[str, Any], int]:
-            body = _record("methodview")
-            _wait_gate()
-            return body, 201
+            return _run("methodview")
 
     class Refunds(MethodView):
         # decorators apply to the view of every method: POST only here (a GET would be refused)
         decorators = [idempotency.idempotent]
 
         async def post(self) -> tuple[dict[str, Any], int]:
-            body = _record("methodview-decorators-async")
-            await _await_gate()
-            return body, 201
+            return await _run_async("methodview-decorators-async")
 
     app.add_url_rule("/orders", view_func=Orders.as_view("orders"))
     bp.add_url_rule("/refunds", view_func=Refunds.as_view("refunds"))

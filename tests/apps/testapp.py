@@ -11,6 +11,7 @@ import psycopg
 from flask import Flask, Response, request, stream_with_context
 
 from flask_idempotency import Idempotency, current_idempotency
+from tests.apps.common import tenant_from_header
 
 EXECUTIONS = """
 CREATE TABLE IF NOT EXISTS executions (
@@ -68,15 +69,12 @@ def create_app(database_url: str, executions_url: str | None = None, **config: A
         }
     )
     idempotency = Idempotency(app)
+    idempotency.tenant_loader(tenant_from_header)
     gates = Gates()
     app.extensions["test_gates"] = gates
     with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
         conn.execute(EXECUTIONS)
         conn.execute(LOCAL_TABLES)
-
-    @idempotency.tenant_loader
-    def tenant() -> str:
-        return request.headers.get("X-Tenant", "")
 
     def record(route: str) -> int:
         with psycopg.connect(app.config["EXECUTIONS_DATABASE_URL"], autocommit=True) as conn:
