@@ -125,6 +125,8 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
+        if not Path(self.py_spy).is_file():  # said now, not after minutes of measuring
+            raise BenchError("py-spy is not installed: pip install py-spy (bash bench/run does)")
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.results["machine"] = machine(self.workdir)
         self.results["library_at_start"] = library_state(self.repo)
