@@ -24,8 +24,9 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Literal
+
+from .service import Service
 
 __all__ = ["PostgresServer", "PostgresServerError", "StopMode", "find_bin_dir"]
 
@@ -170,7 +171,7 @@ def _conf_quote(value: str | int) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-class PostgresServer:
+class PostgresServer(Service):
     """A PostgreSQL cluster in ``datadir`` that can be started, stopped, restarted and crashed.
 
     ``start()`` runs ``initdb`` first if ``datadir`` holds no cluster yet (``datadir`` may exist
@@ -322,18 +323,6 @@ class PostgresServer:
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> PostgresServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"PostgresServer(datadir={str(self.datadir)!r}, port={self.port})"

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import socket
 import threading
-from types import TracebackType
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .postgres import free_port
+from .service import Service
 
 
-class TcpProxy:
+class TcpProxy(Service):
     """Forwards 127.0.0.1:*port* to *target_host*:*target_port*, one thread per direction."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -158,15 +158,3 @@ class TcpProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-    def __enter__(self) -> TcpProxy:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

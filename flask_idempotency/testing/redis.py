@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .postgres import free_port
+from .service import Service
 
 __all__ = ["RedisServer"]
 
@@ -23,7 +24,7 @@ __all__ = ["RedisServer"]
 BINARY = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
-class RedisServer:
+class RedisServer(Service):
     """``redis-server`` in *workdir* with *settings* (``{"appendonly": "yes", ...}``; by
     default no persistence at all), on a free port of 127.0.0.1. Usable as a context
     manager."""
@@ -106,10 +107,3 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

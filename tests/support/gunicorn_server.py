@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from flask_idempotency.testing.postgres import free_port
+from flask_idempotency.testing.service import Service
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = "application/problem+json"
@@ -188,7 +188,7 @@ def race(
     return answers
 
 
-class GunicornServer:
+class GunicornServer(Service):
     """``python -m gunicorn APP`` on a free port of 127.0.0.1, in a subprocess.
 
     The environment is the test process's plus *env*; ``PYTHONPATH`` holds the repository
@@ -335,15 +335,3 @@ class GunicornServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
             return "(no log)"
-
-    def __enter__(self) -> GunicornServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

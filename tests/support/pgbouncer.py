@@ -12,12 +12,13 @@ from pathlib import Path
 from psycopg.conninfo import conninfo_to_dict
 
 from flask_idempotency.testing.postgres import free_port
+from flask_idempotency.testing.service import Service
 
 BINARY = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 RUN_AS = "pgtest"  # the unprivileged user PostgresServer runs PostgreSQL as (as root)
 
 
-class PgBouncer:
+class PgBouncer(Service):
     """``pgbouncer`` with ``pool_mode = transaction`` forwarding to *database_url*."""
 
     def __init__(self, workdir: Path, database_url: str) -> None:
@@ -84,10 +85,3 @@ logfile = {self.workdir / "pgbouncer.log"}
             self.process.terminate()
             self.process.wait(10)
         self.process = None
-
-    def __enter__(self) -> PgBouncer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
