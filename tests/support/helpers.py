@@ -47,19 +47,18 @@ def post(
     client: FlaskClient, path: str, key: str | None, body: Any = None, **headers: str
 ) -> TestResponse:
     """POST *body* as JSON; ``X_Tenant="a"`` sends the header ``X-Tenant: a``."""
-    headers = {name.replace("_", "-"): value for name, value in headers.items()}
+    return client.post(path, **twin(key, body, **headers))
+
+
+def twin(key: str | None, body: Any = None, **headers: str) -> dict[str, Any]:
+    """The keyword arguments of the request :func:`post` sends (also for the plugin's
+    ``send_twins``): *body* (by default ``{"amount": 100}``) as JSON, with
+    ``Idempotency-Key: key`` unless *key* is None, and *headers* (``X_Tenant="a"`` is
+    ``X-Tenant: a``)."""
+    sent = {name.replace("_", "-"): value for name, value in headers.items()}
     if key is not None:
-        headers["Idempotency-Key"] = key
-    return client.post(path, json=body if body is not None else {"amount": 100}, headers=headers)
-
-
-def twin(key: str, body: Any = None) -> dict[str, Any]:
-    """The keyword arguments of the request :func:`post` sends (for the plugin's
-    ``send_twins``): *body* as JSON with ``Idempotency-Key: key``."""
-    return {
-        "json": body if body is not None else {"amount": 100},
-        "headers": {"Idempotency-Key": key},
-    }
+        sent["Idempotency-Key"] = key
+    return {"json": body if body is not None else {"amount": 100}, "headers": sent}
 
 
 def problem(response: TestResponse, status: int, slug: str) -> dict[str, Any]:
