@@ -20,6 +20,10 @@ from .postgres import PostgresServer
 
 __all__ = ["scratch_database", "server_url", "session_database", "with_dbname"]
 
+#: seconds a connection to the server may take before the fixture fails (a server that
+#: accepts and never answers must not hang the session)
+CONNECT_TIMEOUT = 10
+
 
 def with_dbname(conninfo: str, dbname: str) -> str:
     """*conninfo* (a URL or a key=value string) pointing at database *dbname* instead."""
@@ -57,12 +61,12 @@ def scratch_database(
     create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
     if template is not None:
         create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
         conn.execute(create)
     try:
         yield with_dbname(url, name), name
     finally:
-        with psycopg.connect(url, autocommit=True) as conn:
+        with psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
             drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
             conn.execute(drop.format(sql.Identifier(name)))
 

@@ -8,11 +8,14 @@ import configparser
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from flask_idempotency.testing import DATABASE_URL_ENV, IdempotencyDatabase
+from flask_idempotency.testing import DATABASE_URL_ENV, IdempotencyDatabase, database
+from flask_idempotency.testing.proxy import TcpProxy
 from tests.support.gunicorn_server import ROOT
 
 pytest_plugins = ["pytester"]
@@ -288,3 +291,19 @@ def test_without_a_server_url_the_plugin_starts_postgresql(
     pytester.makepyfile(test_own_server=OWN_SERVER)
     result = run_project(pytester, entry_point, {})
     result.assert_outcomes(passed=1)
+
+
+def test_a_server_that_never_answers_fails_the_database_fixture_in_bounded_time(
+    proxy: TcpProxy, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``IDEMPOTENCY_TEST_DATABASE_URL`` naming a server that accepts and then says nothing
+    (a partition): making the session's database fails within the connect timeout instead
+    of hanging the run."""
+    monkeypatch.setattr(database, "CONNECT_TIMEOUT", 1)
+    proxy.freeze()
+    started = time.monotonic()
+    with pytest.raises(psycopg.OperationalError):
+        with database.scratch_database(proxy.url(database_url)):
+            pass
+    assert time.monotonic() - started < 1 + 2  # the timeout, and a little scheduling
+    proxy.thaw()
