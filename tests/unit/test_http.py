@@ -247,6 +247,8 @@ def test_retry_after_of_a_claim_in_flight_grows_with_its_age(
     """A claim whose worker died answers its twins for the whole lease; instead of every
     second, they are told to come back about as late as the claim has run, never past the
     lease's end (when a retry takes over or learns the outcome), at most 30 s."""
+    with app.app_context():  # the table exists whichever test runs first
+        app.extensions["idempotency"].store.create_schema()
     digest = fingerprint("POST", "/payments", "application/json", b'{"amount": 100}')
     db.execute(
         "INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,"
