@@ -329,6 +329,12 @@ class Settings:
     database_url: str | None = option(None, _conninfo)
     #: where waiting requests LISTEN; PgBouncer's transaction mode cannot carry LISTEN
     listen_database_url: str | None = option(None, _conninfo)
+    #: where each process holds its owner lock (SPEC §20): a direct (session) URL where
+    #: the store's goes through a transaction pooler; unset: the store's URL
+    owner_database_url: str | None = option(None, _conninfo)
+    #: hold an owner lock, so that a dead process's claims are abandoned at once and a
+    #: live one's leases are renewed; False: claims are judged by their lease alone
+    owner_lock: bool = option(True, _bool)
     #: connections each process's pool keeps open
     pool_min_size: int = option(1, _int_at_least(0))
     #: connections each process's pool opens at most

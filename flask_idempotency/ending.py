@@ -34,6 +34,7 @@ from .jobs import StagedJob
 from .keys import tenant_tag
 from .model import Decision, KeyStatus, StoredResponse
 from .state import get_state
+from .store.owner import AnswerKept
 from .store.pool import is_driver_outage
 from .store.postgres import HeldTransaction
 
@@ -355,6 +356,16 @@ def _end_attempt(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope) -> 
             owned = forget_attempt(claim)
         else:
             owned = finish_attempt(claim, ending.status, ending.stored, jobs=ending.jobs)
+    except AnswerKept as exc:
+        # the client gets its answer; the owner stores it when the database answers
+        logger.warning(
+            "decision=kept %s: the answer could not be stored in time (%s); this process"
+            " keeps it and stores it when the database answers",
+            _fields(claim),
+            exc,
+        )
+        span.failed(exc)
+        return
     except StoreError as exc:
         _report_store_failure(claim, exc, span)
         return

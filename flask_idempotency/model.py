@@ -67,6 +67,9 @@ class ClaimOutcome:
     #: a committed phase), and until its lease ends (None: no lease, a deferred key)
     idle_for: float = 0.0
     lease_left: float | None = None
+    #: a claim in flight whose owner lock was found free: that owner's id (the claim
+    #: asks again a moment later, SPEC §20)
+    free_owner: int | None = None
 
     def retry_after(self, least: int, cap: int) -> int:
         """Seconds a twin of a claim in flight is told to wait (``Retry-After``): about as

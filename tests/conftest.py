@@ -19,6 +19,7 @@ from flask_idempotency.testing.database import scratch_database
 from flask_idempotency.testing.proxy import TcpProxy
 from tests.apps.testapp import create_app
 from tests.support.gunicorn_server import GunicornServer
+from tests.support.helpers import CLAIM_LOCKS
 from tests.support.old_tables import create_old_table
 
 
@@ -130,9 +131,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     url = request.getfixturevalue("database_url")
     with psycopg.connect(url, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pid, objid FROM pg_locks WHERE locktype = 'advisory'"
-        ).fetchall()
+        rows = conn.execute(CLAIM_LOCKS).fetchall()
     assert rows == [], f"advisory locks left held: {rows}"
     stray = [
         t

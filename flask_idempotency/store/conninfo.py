@@ -27,7 +27,7 @@ def check_conninfo(settings: Settings) -> None:
 
     :raises ConfigError: libpq cannot read one, or its port is not a port.
     """
-    for name in ("database_url", "listen_database_url"):
+    for name in ("database_url", "listen_database_url", "owner_database_url"):
         value = getattr(settings, name)
         if not value:
             continue

@@ -33,6 +33,10 @@ CREATE TABLE IF NOT EXISTS {table} (
     reconcile_error text,
     on_abandoned text,
     ttl_seconds real,
+    owner_id bigint,
+    owner_claim bigint,
+    owner_host text,
+    owner_pid integer,
     PRIMARY KEY (tenant, key)
 ) WITH ({storage})
 """
@@ -67,6 +71,13 @@ UPGRADE_COLUMNS = (
     # earlier release, which recorded none; the acting process's app-wide setting applies.
     ("on_abandoned", "text"),  # 'retry' or 'unknown'
     ("ttl_seconds", "real"),  # how long the key is kept once it has an answer
+    # the claim's owner (SPEC §20): the owner lock's id, which claim it made
+    # (generation + attempt: a later claim by a release without owners leaves it behind),
+    # and where it runs, for people. NULL: no owner lock speaks for it (its lease does).
+    ("owner_id", "bigint"),
+    ("owner_claim", "bigint"),
+    ("owner_host", "text"),
+    ("owner_pid", "integer"),
 )
 
 #: columns added to the jobs table since 0.1.0 (same rule: a catalog change only)

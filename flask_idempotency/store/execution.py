@@ -25,12 +25,15 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import errors, sql
 from psycopg.pq import TransactionStatus
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..config import Settings
 from ..errors import StoreError
 from .conninfo import check_conninfo
+from .owner import APPLICATION_NAME as OWNER_APPLICATION
+from .owner import Owner
 from .pool import (
+    BoundedConnection,
     bounded,
     connection_parameters,
     is_connection_lost,
@@ -42,6 +45,7 @@ from .pool import (
 from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
+from .statements_request import RENEW
 
 __all__ = ["Execution", "HeldTransaction", "bounded_transaction"]
 
@@ -127,6 +131,9 @@ class Execution:
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = self.schema.channel
         self.at_rest = AtRest(settings.encryptor)  #: seals what is stored (or not)
+        #: this process's owner lock (SPEC §20), made on first use in each process
+        self._owner: Owner | None = None
+        self._said_no_owner = False
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
@@ -153,6 +160,50 @@ class Execution:
                 self._pool_pid = os.getpid()
                 self._schema_ready = False
             return self._pool
+
+    @property
+    def owner(self) -> Owner | None:
+        """This process's owner lock (made on first use in each process), or None where
+        claims are judged by their lease alone: ``IDEMPOTENCY_OWNER_LOCK = False``, or a
+        store behind a transaction pooler (``IDEMPOTENCY_PREPARED_STATEMENTS = False``)
+        without ``IDEMPOTENCY_OWNER_DATABASE_URL`` (said once in the log)."""
+        owner = self._owner
+        if owner is not None and owner.pid == os.getpid():
+            return owner if owner.usable else None
+        settings = self.settings
+        pooled = not settings.prepared_statements and not settings.owner_database_url
+        if not settings.owner_lock or pooled:
+            if not self._said_no_owner:
+                self._said_no_owner = True
+                why = (
+                    "IDEMPOTENCY_OWNER_LOCK is False"
+                    if not settings.owner_lock
+                    else "the store's URL goes through a transaction pooler"
+                    " (IDEMPOTENCY_PREPARED_STATEMENTS is False) and"
+                    " IDEMPOTENCY_OWNER_DATABASE_URL is not set"
+                )
+                logger.info(
+                    "no owner lock: %s; claims in flight are judged by their lease alone"
+                    " (a dead worker's keys wait for IDEMPOTENCY_LEASE to end)",
+                    why,
+                )
+            return None
+        with self._lock:
+            if self._owner is None or self._owner.pid != os.getpid():
+                self._owner = Owner(
+                    self._owner_connection,
+                    Statement(self.render(RENEW)),
+                    settings.statement_timeout,
+                )
+            return self._owner
+
+    def _owner_connection(self) -> psycopg.Connection[Any]:
+        """The owner lock's own connection: autocommit, bounded, never the pool's."""
+        url = self.settings.owner_database_url or self.settings.database_url or self.conninfo
+        wanted = {**connection_parameters(self.settings), "application_name": OWNER_APPLICATION}
+        in_url = psycopg.conninfo.conninfo_to_dict(url)
+        params = {name: value for name, value in wanted.items() if name not in in_url}
+        return BoundedConnection.connect(url, autocommit=True, prepare_threshold=None, **params)
 
     @property
     def conninfo(self) -> str:
@@ -191,6 +242,10 @@ class Execution:
     def close(self) -> None:
         """Close the pool this store opened (a pool passed in is the caller's to close),
         and stop a background index build (cancelled: the next start builds it again)."""
+        owner = self._owner
+        if owner is not None and owner.pid == os.getpid():
+            owner.stop()
+        self._owner = None
         builder, building = self._builder, self._building
         if builder is not None and builder.is_alive():
             self._builder_stop.set()
@@ -376,7 +431,10 @@ class Execution:
                     recovered = True
                     continue
                 timeout = deadline - time.monotonic()
-                if timeout <= 0 or not is_connection_lost(exc.__cause__):
+                # a pool that had no connection to give waited one pool timeout: the
+                # statement still has the rest of its bound (SPEC §20)
+                lost = is_connection_lost(exc.__cause__) or isinstance(exc.__cause__, PoolTimeout)
+                if timeout <= 0 or not lost:
                     raise
                 logger.warning("a connection died under a statement (%s): sending it again", exc)
 

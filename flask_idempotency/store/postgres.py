@@ -11,6 +11,7 @@ pool and the execution path are :mod:`.execution`'s.
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from ..keys import lock_id
 from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
 from .execution import Execution, HeldTransaction, bounded_transaction
+from .owner import GRACE_SECONDS, AnswerKept
 from .pool import bounded, store_errors
 from .records import job_params
 from .rows import claim_outcome
@@ -47,6 +49,10 @@ from .statements_request import (
 )
 
 __all__ = ["HeldTransaction", "KeyAnswer", "PinnedClaim", "PostgresStore", "store_errors"]
+
+#: how long a process's first claim waits for its owner lock (a claim made without it is
+#: judged by its lease alone); within the slack of the request's bound (SPEC §13)
+FIRST_OWNER_WAIT = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +132,19 @@ class PostgresStore(Execution):
         terms: RouteSettings,
         request: StoredRequest | None = None,
         pinned: HeldTransaction | None = None,
+        gone_owner: int | None = None,
     ) -> ClaimOutcome:
         """Decide what this request does with *key*, and claim it if the view must run,
         under the lease, TTL and abandoned-claim policy of *terms*.
 
         With *pinned*, the claim joins that connection's open transaction: its lock
-        and row last until that transaction ends (:class:`HeldTransaction`).
+        and row last until that transaction ends (:class:`HeldTransaction`). A claim in
+        flight whose owner lock is free is looked at again :data:`~.owner.GRACE_SECONDS`
+        later (*gone_owner*: the owner found free), and abandoned if it is still free.
         """
         with refused("the request could not be stored"):
             stored = self.at_rest.request_params(tenant, key, request)
+        owner = self.owner
         params = {
             "tenant": tenant,
             "key": key,
@@ -143,13 +153,26 @@ class PostgresStore(Execution):
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": terms.on_abandoned,
+            # the process's first claim waits a moment for its owner lock
+            "owner": owner.current(wait=FIRST_OWNER_WAIT) if owner else None,
+            "owner_host": owner.host if owner else None,
+            "owner_pid": owner.pid if owner else None,
+            "gone_owner": gone_owner,
             **stored,
         }
         statement = self._claim if pinned is None else self._claim_pinned_statement
         _, row = self.run(statement, params, pinned)
         assert row is not None
         with unreadable():
-            return claim_outcome(row, fingerprint, self.at_rest, tenant, key)
+            outcome = claim_outcome(row, fingerprint, self.at_rest, tenant, key)
+        if pinned is None and outcome.free_owner is not None:
+            # The owner's session ended: dead, or reconnecting. Asked again a moment later,
+            # holding nothing: still free, it is dead.
+            time.sleep(GRACE_SECONDS)
+            return self.claim(tenant, key, fingerprint, terms, request, None, outcome.free_owner)
+        if outcome.owns_key and pinned is None and owner is not None:
+            owner.hold(_fence(tenant, key, outcome), terms.lease.total_seconds())
+        return outcome
 
     def claim_pinned(
         self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None
@@ -165,17 +188,26 @@ class PostgresStore(Execution):
         return self._claim_pinned(*args)
 
     def _claim_pinned(
-        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        terms: RouteSettings,
+        request: Any,
+        gone_owner: int | None = None,
     ) -> PinnedClaim:
         held = self.hold()
         try:
-            outcome = self.claim(tenant, key, fingerprint, terms, request, held)
+            outcome = self.claim(tenant, key, fingerprint, terms, request, held, gone_owner)
         except BaseException:
             held.roll_back()
             raise
         if outcome.owns_key:
             return PinnedClaim(outcome, held)
         held.commit()
+        if outcome.free_owner is not None and gone_owner is None:
+            time.sleep(GRACE_SECONDS)  # as claim() does, holding nothing
+            return self._claim_pinned(tenant, key, fingerprint, terms, request, outcome.free_owner)
         return PinnedClaim(outcome, None)
 
     def finish(
@@ -212,15 +244,38 @@ class PostgresStore(Execution):
         if jobs:
             params.update(job_params(jobs))
         statement = self._finishes[notify, bool(jobs)]
-        rowcount, row = self.run(statement, params, pinned, commit=commit)
-        if rowcount == 1 and row is not None:
-            return typing.cast(datetime, row[1])
-        if pinned is None and status is KeyStatus.COMPLETED:
-            # Sent again after its connection died (:meth:`_attempt`), a finish that had
-            # committed finds its own answer: that is this attempt's, not a newer one's.
-            _, row = self.run(self._finished, params)
-            return None if row is None else typing.cast(datetime, row[0])
-        return None
+        with self._kept_on_failure(statement, params, pinned):
+            rowcount, row = self.run(statement, params, pinned, commit=commit)
+            if rowcount == 1 and row is not None:
+                return typing.cast(datetime, row[1])
+            if pinned is None and status is KeyStatus.COMPLETED:
+                # Sent again after its connection died (:meth:`_attempt`), a finish that
+                # had committed finds its own answer: this attempt's, not a newer one's.
+                _, row = self.run(self._finished, params)
+                return None if row is None else typing.cast(datetime, row[0])
+            return None
+
+    @contextmanager
+    def _kept_on_failure(
+        self, statement: Statement, params: dict[str, Any], pinned: HeldTransaction | None
+    ) -> Iterator[None]:
+        """The end of a claim in flight (a finish, a forgetting): the owner lets the claim
+        go once it ended; one that failed within its bound is kept by the owner and stored
+        when the database answers (SPEC §20: an answer given is an answer stored).
+
+        :raises AnswerKept: it failed and is kept.
+        """
+        owner = self._owner if pinned is None else None
+        try:
+            yield
+        except StoreError as exc:
+            if owner is not None and exc.outage and owner.keep(statement, params):
+                raise AnswerKept(str(exc)) from exc
+            if owner is not None:
+                owner.let_go(params)
+            raise
+        if owner is not None:
+            owner.let_go(params)
 
     def forget(self, tenant: str, key: str, outcome: ClaimOutcome, *, notify: bool = False) -> bool:
         """Delete the key claimed afresh by *outcome*, as if it had never been used (a
@@ -233,7 +288,9 @@ class PostgresStore(Execution):
             "generation": outcome.generation,
             "lock_id": lock_id(tenant, key),
         }
-        rowcount, _ = self.run(self._forgets[notify], params)
+        statement = self._forgets[notify]
+        with self._kept_on_failure(statement, params, None):
+            rowcount, _ = self.run(statement, params)
         return rowcount == 1
 
     def notify(self, tenant: str, key: str) -> None:
@@ -262,6 +319,8 @@ class PostgresStore(Execution):
         self.run(self._defers[bool(jobs)], params, pinned)
         if pinned is not None:
             pinned.commit()
+        if self._owner is not None:
+            self._owner.let_go(params)  # the background's now
 
     def key_status(self, tenant: str, key: str) -> KeyAnswer | None:
         """A key's status, stored response (opened if sealed) and ``expires_at`` (the
@@ -324,6 +383,16 @@ class PostgresStore(Execution):
                     )
         finally:
             self.pool.putconn(conn)
+
+
+def _fence(tenant: str, key: str, outcome: ClaimOutcome) -> dict[str, Any]:
+    """The claim *outcome* holds, as the owner renews it and its end names it."""
+    return {
+        "tenant": tenant,
+        "key": key,
+        "attempt": outcome.attempt,
+        "generation": outcome.generation,
+    }
 
 
 def _staging(update: str) -> str:

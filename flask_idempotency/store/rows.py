@@ -44,12 +44,13 @@ def claim_outcome(
             expires_at=expires_at,
         )
     if decision is Decision.IN_PROGRESS:
-        idle_for, lease_left = row[12:14]
+        idle_for, lease_left, free_owner = row[12:15]
         return ClaimOutcome(
             decision,
             attempt=seen_attempt or 0,
             idle_for=float(idle_for or 0.0),
             lease_left=None if lease_left is None else float(lease_left),
+            free_owner=free_owner,
         )
     return ClaimOutcome(decision, attempt=seen_attempt or 0)
 

@@ -356,11 +356,12 @@ COUNT_ABANDONED = (
 
 # -- tests (flask_idempotency.testing) ------------------------------------------------
 
-# expire_lease(app, key): a claim's lease ends now, as if its worker had died and its
-# lease had run out; the next request for the key takes over as ON_ABANDONED says.
+# expire_lease(app, key): a claim's lease ends now, as if its worker had gone silent and
+# its lease had run out; the next request for the key takes over as ON_ABANDONED says. Its
+# owner is cleared, so the owner's renewals leave it alone.
 # A transactional view's claim holds its row locked: this waits for its end.
 END_LEASE = """
-UPDATE {table} SET locked_until = now()
+UPDATE {table} SET locked_until = now(), owner_id = NULL, owner_claim = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
 RETURNING attempt, generation, locked_until AS lease_ended
 """

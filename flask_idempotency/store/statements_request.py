@@ -30,8 +30,23 @@ WITH seen AS (
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
            response_status, response_headers, response_body,
            extract(epoch FROM now() - updated_at) AS idle_for,
-           extract(epoch FROM locked_until - now()) AS lease_left
+           extract(epoch FROM locked_until - now()) AS lease_left,
+           owner_id,
+           -- the owner lock speaks for this claim (SPEC §20): a claim in its lease,
+           -- recorded by its owner (a release without owners, or a takeover by one, left
+           -- owner_claim behind), made since the server's current start (a restart ends
+           -- every session: such claims are judged by their lease alone)
+           status = 'processing' AND locked_until > now() AND owner_id IS NOT NULL
+               AND owner_claim = generation + attempt
+               AND updated_at >= pg_postmaster_start_time() AS owned
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), owner AS (
+    -- the owner lock, looked at only when this claim meets another's in flight: free
+    -- (true) means its session ended. Free twice, GRACE_SECONDS apart (the caller asks
+    -- again with gone_owner), means its process is dead.
+    SELECT CASE WHEN seen.owned AND NOT seen.fingerprint <> %(fingerprint)s
+                THEN pg_try_advisory_xact_lock_shared(seen.owner_id) END AS free
+    FROM seen
 ), intent AS (
     SELECT CASE
         WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
@@ -41,26 +56,31 @@ WITH seen AS (
         WHEN seen.status = 'unknown' THEN 'unknown'
         -- the policy recorded by the claim that was abandoned, not this request's
         -- route's (a deploy may have changed it); none recorded: this route's
-        WHEN seen.lease_over THEN
+        WHEN seen.lease_over OR (owner.free AND seen.owner_id = %(gone_owner)s::bigint) THEN
             CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
                 WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
         ELSE 'in_progress'
-    END AS decision
-    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true{commit_mode}
+    END AS decision,
+    coalesce(NOT seen.lease_over AND owner.free AND seen.owner_id = %(gone_owner)s::bigint,
+             false) AS owner_dead
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN owner ON true{commit_mode}
 ), lock AS (
     SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
     FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
 ), claimed AS (
     INSERT INTO {table} AS k
         (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
-         request, request_body, on_abandoned, ttl_seconds)
+         request, request_body, on_abandoned, ttl_seconds,
+         owner_id, owner_claim, owner_host, owner_pid)
     SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
            (extract(epoch FROM now()) * 1000000)::bigint,
            now() + make_interval(secs => %(lease)s),
            now() + make_interval(secs => %(ttl)s + """
     + str(FINISH_GRACE_SECONDS)
     + """),
-           %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s
+           %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
+           %(owner)s::bigint, (extract(epoch FROM now()) * 1000000)::bigint + 1,
+           %(owner_host)s::text, %(owner_pid)s::integer
     FROM lock, intent
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
     ON CONFLICT (tenant, key) DO UPDATE SET
@@ -79,11 +99,17 @@ WITH seen AS (
         updated_at = now(),
         response_status = NULL, response_headers = NULL, response_body = NULL,
         request = excluded.request, request_body = excluded.request_body,
-        on_abandoned = excluded.on_abandoned, ttl_seconds = excluded.ttl_seconds
+        on_abandoned = excluded.on_abandoned, ttl_seconds = excluded.ttl_seconds,
+        owner_id = excluded.owner_id, owner_host = excluded.owner_host,
+        owner_pid = excluded.owner_pid,
+        owner_claim = CASE WHEN (SELECT decision FROM intent) = 'claimed'
+                           THEN excluded.owner_claim ELSE k.generation + k.attempt + 1 END
     WHERE (k.attempt, k.generation, k.status)
         = (SELECT attempt, generation, status FROM seen)
-      -- a phase that committed meanwhile renewed the lease: the owner is alive
-      AND (k.status <> 'processing' OR k.locked_until <= now())
+      -- a phase that committed meanwhile renewed the lease: the owner is alive (its
+      -- owner's death is the other reason to take a claim in flight over)
+      AND (k.status <> 'processing' OR k.locked_until <= now()
+           OR (SELECT owner_dead FROM intent))
     RETURNING k.attempt, k.generation, k.recovery_point
 ), marked AS (
     UPDATE {table} AS k
@@ -97,8 +123,11 @@ WITH seen AS (
 SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
        seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
-       seen.expires_at, seen.idle_for, seen.lease_left
+       seen.expires_at, seen.idle_for, seen.lease_left,
+       CASE WHEN intent.decision = 'in_progress' AND owner.free
+                 AND %(gone_owner)s::bigint IS NULL THEN seen.owner_id END AS free_owner
 FROM intent
+LEFT JOIN owner ON true
 LEFT JOIN claimed ON true
 LEFT JOIN seen ON true
 """
@@ -125,7 +154,8 @@ SET status = %(status)s,
     response_body = %(response_body)s,
     request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
     request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
-    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END
+    reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END,
+    owner_id = NULL, owner_claim = NULL, owner_host = NULL, owner_pid = NULL
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s
@@ -212,4 +242,26 @@ WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
 KEY_STATUS = """
 SELECT status, response_status, response_headers, response_body, expires_at
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
+
+# The owner's renewal (SPEC §20): the leases of its claims in flight, one statement per
+# lease third for all of them, each for its route's lease. Fenced like the finish, and by
+# the owner (a claim whose owner was cleared, expire_lease in tests, is let go); a row
+# another statement holds locked right now (a phase committing) is skipped, never waited
+# for. updated_at stays: it is the claim's last sign of progress (Retry-After), and the
+# claim's time against the server's start.
+RENEW = """
+UPDATE {table} AS k SET locked_until = now() + make_interval(secs => mine.lease)
+FROM (
+    SELECT k.tenant, k.key, held.lease
+    FROM unnest(%(tenants)s::text[], %(keys)s::text[], %(attempts)s::integer[],
+                %(generations)s::bigint[], %(leases)s::float8[])
+             AS held (tenant, key, attempt, generation, lease)
+    JOIN {table} AS k ON (k.tenant, k.key, k.attempt, k.generation)
+                       = (held.tenant, held.key, held.attempt, held.generation)
+    WHERE k.status = 'processing' AND k.locked_until IS NOT NULL AND k.owner_id = %(owner)s
+    FOR UPDATE OF k SKIP LOCKED
+) AS mine
+WHERE k.tenant = mine.tenant AND k.key = mine.key
 """

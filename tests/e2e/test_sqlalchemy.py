@@ -16,7 +16,7 @@ from flask import Flask
 from flask_idempotency import ConfigError, Idempotency
 from tests.support.gunicorn_server import GunicornServer, Response, race, tcp_connections
 from tests.support.gunicorn_server import post as http_post
-from tests.support.helpers import DB, count, wait_until
+from tests.support.helpers import CLAIM_LOCKS, DB, count, wait_until
 
 ORM_TABLES = {
     "IDEMPOTENCY_TABLE": "orm_keys",
@@ -94,7 +94,7 @@ def test_a_twin_during_the_view_gets_409_and_sees_no_order(orm_app: Flask, db: D
     thread.start()
     try:
         # the claim's transaction is open (its advisory lock held), and invisible to others
-        wait_until(lambda: count(db, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"))
+        wait_until(lambda: db.execute(CLAIM_LOCKS).fetchall())
         twin = post(orm_app, "/orders", key)
         assert twin.status_code == 409
         assert orders_of(db, key) == 0  # the view's committed write is the key's, not yet visible
@@ -253,7 +253,7 @@ def _quietly(port: int, key: str, headers: dict[str, str]) -> None:
 
 
 def _lock_holder_pid(db: DB) -> int | None:
-    row = db.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' LIMIT 1").fetchone()
+    row = db.execute(CLAIM_LOCKS + " LIMIT 1").fetchone()
     return None if row is None else int(row[0])
 
 

@@ -23,6 +23,14 @@ T = TypeVar("T")
 EXAMPLE_CONFIG = ROOT / "example" / "gunicorn.conf.py"
 EXAMPLE_APP = "example.app:create_app()"
 
+#: the advisory locks held by claims (and the schema's): every session's but the owner
+#: locks' (SPEC §20: each serving process holds one for as long as it lives)
+CLAIM_LOCKS = (
+    "SELECT l.pid, l.objid FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+    " WHERE l.locktype = 'advisory' AND l.granted"
+    " AND a.application_name IS DISTINCT FROM 'flask-idempotency owner'"
+)
+
 
 def count(db: DB, query: str, *params: Any) -> int:
     """The one integer *query* answers (a ``count(*)``, a sum)."""

@@ -138,7 +138,9 @@ def hold(
 def test_an_abandoned_claim_is_taken_over_and_its_zombie_is_fenced(
     make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make_completer_app(IDEMPOTENCY_LEASE=0.3)
+    app = make_completer_app(
+        IDEMPOTENCY_LEASE=0.3, IDEMPOTENCY_OWNER_LOCK=False
+    )  # a silent owner: no owner lock renews its lease (SPEC §20)
     thread, proceed, results = hold(app, key)
     wait_until(lease_over(db, key))
     result = complete(app)
@@ -247,7 +249,9 @@ def test_a_transactional_view_is_completed_in_one_transaction(
 def test_an_abandoned_claim_of_an_on_abandoned_unknown_route_is_marked_unknown(
     make_completer_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
-    app = make_completer_app()
+    app = make_completer_app(
+        IDEMPOTENCY_OWNER_LOCK=False
+    )  # a silent owner: no owner lock renews its lease (SPEC §20)
     thread, proceed, _ = hold(app, key, "/shop/unknown-orders")
     try:
         wait_until(lease_over(db, key))

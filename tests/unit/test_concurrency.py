@@ -15,7 +15,7 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency.keys import lock_id
 from flask_idempotency.testing import send_twins
-from tests.support.helpers import executions, post, run_together, twin
+from tests.support.helpers import CLAIM_LOCKS, executions, post, run_together, twin
 
 DB = psycopg.Connection[TupleRow]
 
@@ -80,10 +80,7 @@ def slow_claims(db: DB, app: Flask) -> Iterator[None]:
 
 
 def advisory_locks(db: DB) -> list[tuple[int, int]]:
-    return db.execute(
-        "SELECT classid::bigint, objid::bigint FROM pg_locks"
-        " WHERE locktype = 'advisory' AND granted"
-    ).fetchall()
+    return [(int(pid), int(objid)) for pid, objid in db.execute(CLAIM_LOCKS).fetchall()]
 
 
 def test_the_advisory_lock_not_luck_serialises_the_claim(
@@ -145,7 +142,7 @@ def test_failure_inside_the_critical_section_leaves_no_lock(app: Flask, db: DB) 
     pool = app.extensions["idempotency"].store.pool
     with pool.connection() as conn:
         assert conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
         ).fetchone() == (0,)
 
 

@@ -121,7 +121,11 @@ def test_a_job_staged_in_a_phase_commits_with_the_phase(
     ]
 
 
-def test_a_fenced_attempt_stages_nothing(staging_app: Flask, key: str, db: DB) -> None:
+def test_a_fenced_attempt_stages_nothing(make_app: Callable[..., Flask], key: str, db: DB) -> None:
+    staging_app = make_app(
+        IDEMPOTENCY_OWNER_LOCK=False
+    )  # a silent owner: no owner lock renews its lease (SPEC §20)
+    add_staging_routes(staging_app)
     zombie, proceed, results = hold_first(staging_app, key, "/stage")
     try:
         wait_until(lease_over(db, key))

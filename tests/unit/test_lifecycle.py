@@ -156,7 +156,9 @@ def test_request_too_large_is_413(make_app: Callable[..., Flask], key: str, db: 
 def test_abandoned_claim_is_taken_over_and_the_zombie_cannot_overwrite(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
-    app = make_app(IDEMPOTENCY_LEASE=timedelta(milliseconds=300))
+    app = make_app(
+        IDEMPOTENCY_LEASE=timedelta(milliseconds=300), IDEMPOTENCY_OWNER_LOCK=False
+    )  # a silent owner: no owner lock renews its lease (SPEC §20)
     taken_over: list[dict[str, Any]] = []
     zombie, proceed, results = hold_first(app, key)
     try:
@@ -187,7 +189,9 @@ def test_abandoned_claim_is_taken_over_and_the_zombie_cannot_overwrite(
 def test_abandoned_claim_under_unknown_is_never_rerun(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
-    app = make_app(IDEMPOTENCY_LEASE=0.3, IDEMPOTENCY_ON_ABANDONED="unknown")
+    app = make_app(
+        IDEMPOTENCY_LEASE=0.3, IDEMPOTENCY_ON_ABANDONED="unknown", IDEMPOTENCY_OWNER_LOCK=False
+    )  # a silent owner: no owner lock renews its lease (SPEC §20)
     zombie, proceed, results = hold_first(app, key)
     try:
         wait_until(lease_over(db, key))

@@ -1,0 +1,307 @@
+"""The owner lock (SPEC §20): PostgreSQL tells which process of a claim is alive.
+
+Each process that claims keys holds a session-level advisory lock of its own, its
+*owner id* (a random 63-bit number, new in every process), on one connection of its
+own while it serves, and every claim it makes records that id. A session's advisory
+locks end with the session, so when the process dies (``kill -9``, the OOM killer,
+gunicorn's worker timeout, a lost host) its lock is free at once, and a request that
+meets one of its claims in ``processing`` may act on it without waiting for the lease.
+
+The lock's thread also keeps what the process owns alive:
+
+- it **renews the leases** of the claims in flight (:meth:`Owner.hold`), one statement
+  per lease third for all of them, so a view longer than ``IDEMPOTENCY_LEASE`` is never
+  taken over; the lease bounds only the owner's silence;
+- it **stores kept answers** (:meth:`Owner.keep`): a finish that could not be stored within
+  its bound is sent again, fenced, as soon as the database answers, the claim renewed
+  meanwhile, so the answer a client got is the one its retries replay.
+
+A free lock is not proof of death by itself: the owner's connection may have been
+terminated (``pg_terminate_backend``, a restart, a failover) while the process lives,
+and the thread takes its lock again as soon as it reconnects. So a request that finds
+the lock free looks again :data:`GRACE_SECONDS` later and acts only if it is still free
+(:mod:`.statements_request`), and a claim made before the server's current start is
+judged by its lease alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+from ..errors import StoreError
+from .pool import bounded, one_line
+from .statement import Statement, execute
+
+logger = logging.getLogger("flask_idempotency")
+
+#: how long a free owner lock must stay free before its claims count as abandoned: the
+#: time an owner whose connection was terminated has to take its lock again
+GRACE_SECONDS = 1.0
+#: how often the lock's thread looks at its connection (a terminated one is noticed
+#: then), at stop requests and at what is due
+_TICK_SECONDS = 0.2
+#: the pause between two tries to reconnect (PostgreSQL restarting, away)
+_RECONNECT_SECONDS = 0.2
+
+#: the owner lock's connection's application_name (pg_stat_activity tells them apart)
+APPLICATION_NAME = "flask-idempotency owner"
+
+TAKE_LOCK = "SELECT pg_try_advisory_lock(%(owner)s::bigint)"
+
+# A lock taken through a transaction pooler (PgBouncer in transaction mode) belongs to
+# whatever server connection ran that statement, not to this process: the lock must be
+# seen held by the session that asks.
+LOCK_IS_MINE = """
+SELECT EXISTS (
+    SELECT FROM pg_locks
+    WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted
+      AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %(owner)s::bigint
+)
+"""
+
+
+class AnswerKept(StoreError):
+    """The end of a claim could not be stored within its bound; the owner keeps it and
+    stores it, fenced, as soon as the database answers."""
+
+
+def new_owner_id() -> int:
+    """A random positive 63-bit id (the lock's key; a claim's lock ids share its space,
+    where a collision has a chance of 2^-63)."""
+    return secrets.randbits(63) or 1
+
+
+@dataclasses.dataclass
+class Held:
+    """A claim in flight: renewed while its process lives; with a kept finish, stored
+    as soon as the database answers."""
+
+    params: dict[str, Any]
+    lease: float
+    renew_at: float
+    #: a finish that could not be stored in time: (statement, its parameters)
+    kept: tuple[Statement, dict[str, Any]] | None = None
+    #: called with True once the kept finish is stored, False if it was fenced
+    on_kept: Callable[[bool], None] | None = None
+
+
+class Owner:
+    """This process's owner lock, its claims in flight and its kept answers.
+
+    *connect* opens the lock's connection (a :class:`~.pool.BoundedConnection` in
+    autocommit); *renew* and *timeout* are the renewal statement and the bound of each
+    statement. The thread starts at the first :meth:`current` of the process.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection[Any]],
+        renew: Statement,
+        timeout: float,
+    ) -> None:
+        self._connect = connect
+        self._renew = renew
+        self._timeout = timeout
+        self.id = new_owner_id()
+        self.host = socket.gethostname()[:255]
+        self.pid = os.getpid()
+        self._held: dict[tuple[str, str, int, int], Held] = {}
+        self._lock = threading.Lock()
+        self._holding = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said_lost = False
+        #: False once the lock was found not to be this session's (a transaction pooler)
+        self.usable = True
+
+    # -- what claims record ------------------------------------------------------------
+
+    def current(self, wait: float = 0.0) -> int | None:
+        """The owner id, while its lock is held (None: claims are judged by their lease
+        alone). Starts the lock's thread on the process's first call, waiting up to
+        *wait* seconds for the lock."""
+        if self._thread is None or not self._thread.is_alive():
+            if not self.usable or self._stopping.is_set():
+                return None
+            self._start()
+            self._holding.wait(wait)
+        return self.id if self._holding.is_set() else None
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(
+                target=self._serve, name="flask-idempotency-owner", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Let go of the lock and stop the thread (an app's teardown)."""
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(self._timeout + 2 * _TICK_SECONDS)
+
+    # -- claims in flight ----------------------------------------------------------------
+
+    def hold(self, params: dict[str, Any], lease: float) -> None:
+        """Renew the claim *params* (tenant, key, attempt, generation) every lease third
+        until :meth:`let_go`."""
+        name = _name(params)
+        held = Held(dict(params), lease, time.monotonic() + lease / 3)
+        with self._lock:
+            self._held[name] = held
+
+    def let_go(self, params: dict[str, Any]) -> None:
+        """The claim *params* ended (stored, fenced, deferred, forgotten)."""
+        with self._lock:
+            self._held.pop(_name(params), None)
+
+    def keep(
+        self,
+        statement: Statement,
+        params: dict[str, Any],
+        on_kept: Callable[[bool], None] | None = None,
+    ) -> bool:
+        """Keep the finish (*statement*, *params*) of a claim held here and store it as
+        soon as the database answers; False when nothing can keep it (the claim is not
+        held by this owner, or the owner runs without its lock)."""
+        with self._lock:
+            held = self._held.get(_name(params))
+            if held is None or not self.usable:
+                return False
+            held.kept = (statement, dict(params))
+            held.on_kept = on_kept
+            held.renew_at = time.monotonic()
+        self._start()
+        return True
+
+    @property
+    def kept(self) -> int:
+        """How many kept answers wait to be stored."""
+        with self._lock:
+            return sum(1 for held in self._held.values() if held.kept is not None)
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                with self._connect() as conn:
+                    self._take_lock(conn)
+                    if not self.usable:
+                        return
+                    while not self._stopping.is_set():
+                        self._store_kept(conn)
+                        self._renew_due(conn)
+                        _watch(conn, _TICK_SECONDS)
+            except psycopg.Error as exc:
+                self._lost(exc)
+            finally:
+                self._holding.clear()
+            self._stopping.wait(_RECONNECT_SECONDS)
+
+    def _take_lock(self, conn: psycopg.Connection[Any]) -> None:
+        """Take the lock (a request looking at it may hold it shared for a moment)."""
+        params = {"owner": self.id}
+        while not self._stopping.is_set():
+            with bounded(conn, self._timeout):
+                taken = conn.execute(TAKE_LOCK, params, prepare=False).fetchone()
+            if taken and taken[0]:
+                break
+            time.sleep(0.05)
+        with bounded(conn, self._timeout):
+            mine = conn.execute(LOCK_IS_MINE, params, prepare=False).fetchone()
+        if not (mine and mine[0]):
+            self.usable = False
+            logger.warning(
+                "owner lock: the lock taken is not held by this session (a transaction"
+                " pooler such as PgBouncer in transaction mode is in between): this"
+                " process runs on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL to a"
+                " direct URL"
+            )
+            return
+        if self._said_lost:
+            logger.info("owner lock taken again (owner %d)", self.id)
+        self._said_lost = False
+        self._holding.set()
+
+    def _lost(self, exc: BaseException) -> None:
+        if not self._said_lost and not self._stopping.is_set():
+            logger.warning("owner lock lost (owner %d): %s; reconnecting", self.id, one_line(exc))
+            self._said_lost = True
+
+    def _store_kept(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            kept = [(name, held) for name, held in self._held.items() if held.kept is not None]
+        for name, held in kept:
+            assert held.kept is not None
+            statement, params = held.kept
+            with bounded(conn, self._timeout):
+                rowcount, _ = execute(conn, statement, params, False)
+            with self._lock:
+                self._held.pop(name, None)
+            stored = rowcount == 1
+            if stored:
+                logger.info(
+                    "decision=stored_late key=%r attempt=%r: the kept answer is stored",
+                    params["key"],
+                    params["attempt"],
+                )
+            else:
+                logger.warning(
+                    "decision=fenced key=%r attempt=%r: a newer attempt owns the key; the"
+                    " kept answer was not stored",
+                    params["key"],
+                    params["attempt"],
+                )
+            if held.on_kept is not None:
+                held.on_kept(stored)
+
+    def _renew_due(self, conn: psycopg.Connection[Any]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [held for held in self._held.values() if held.renew_at <= now]
+        if not due:
+            return
+        params = {
+            "owner": self.id,
+            "tenants": [held.params["tenant"] for held in due],
+            "keys": [held.params["key"] for held in due],
+            "attempts": [held.params["attempt"] for held in due],
+            "generations": [held.params["generation"] for held in due],
+            "leases": [held.lease for held in due],
+        }
+        with bounded(conn, self._timeout):
+            execute(conn, self._renew, params, False)
+        with self._lock:
+            for held in due:
+                held.renew_at = now + held.lease / 3
+
+
+def _watch(conn: psycopg.Connection[Any], seconds: float) -> None:
+    """Wait up to *seconds* on the idle connection's socket: a terminated or lost
+    session (its server's last words, or the socket's end) raises at once."""
+    readable, _, _ = select.select([conn.fileno()], [], [], seconds)
+    if not readable:
+        return
+    conn.pgconn.consume_input()  # raises when the socket ended
+    if conn.pgconn.status != pq.ConnStatus.OK or conn.pgconn.get_result() is not None:
+        raise psycopg.OperationalError("the owner lock's session ended")
+
+
+def _name(params: dict[str, Any]) -> tuple[str, str, int, int]:
+    return (params["tenant"], params["key"], params["attempt"], params["generation"])
