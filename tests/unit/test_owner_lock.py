@@ -1,0 +1,240 @@
+"""The owner lock (SPEC §20), in one process against the real PostgreSQL: two apps stand
+for two workers (each store has an owner of its own); a worker's death is its owner's
+session ending for good (:meth:`Owner.stop`) while its view is still held at a gate.
+The same with real gunicorn workers and ``kill -9``: tests/e2e/test_owner_lock.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from flask import Flask
+
+from flask_idempotency.store.owner import GRACE_SECONDS, Owner
+from flask_idempotency.testing.proxy import TcpProxy
+from tests.support.helpers import DB, executions, hold_first, post, wait_until
+
+
+def owner_of(app: Flask) -> Owner:
+    owner = app.extensions["idempotency"].store.owner
+    assert owner is not None
+    return owner
+
+
+def owner_row(db: DB, key: str) -> tuple[object, ...]:
+    row = db.execute(
+        "SELECT status, attempt, owner_id, owner_host, owner_pid, locked_until > now()"
+        " FROM idempotency_keys WHERE key = %s",
+        [key],
+    ).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def test_a_claim_records_its_owner_and_its_finish_clears_it(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    app = make_app()
+    thread, proceed, results = hold_first(app, key)
+    try:
+        status, attempt, owner_id, host, pid, leased = owner_row(db, key)
+        owner = owner_of(app)
+        assert (status, attempt, owner_id, host, pid, leased) == (
+            "processing",
+            1,
+            owner.id,
+            owner.host,
+            owner.pid,
+            True,
+        )
+        held = db.execute(
+            "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND l.granted"
+            " AND a.application_name = 'flask-idempotency owner'"
+            " AND (l.classid::bigint << 32 | l.objid::bigint) = %s",
+            [owner.id],
+        ).fetchone()
+        assert held == (1,)
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201
+    assert owner_row(db, key)[:5] == ("completed", 1, None, None, None)
+
+
+def test_a_dead_owners_claim_is_taken_over_at_once_and_its_late_finish_is_fenced(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    worker, other = make_app(), make_app()  # the default 60 s lease
+    thread, proceed, results = hold_first(worker, key)
+    try:
+        owner_of(worker).stop()  # the worker's session ends for good: it is dead
+        started = time.monotonic()
+        retry = post(other.test_client(), "/payments", key)
+        took = time.monotonic() - started
+        assert retry.status_code == 201, retry.get_json()
+        assert retry.get_json()["attempt"] == 2
+        assert GRACE_SECONDS <= took < GRACE_SECONDS + 1.5  # looked twice, a grace apart
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201  # the zombie's client got its answer...
+    assert owner_row(db, key)[:2] == ("completed", 2)  # ... and stored nothing
+    replay = post(other.test_client(), "/payments", key)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json()["attempt"] == 2
+    assert executions(db, key) == 2
+
+
+def test_a_dead_owners_claim_of_an_unknown_route_answers_outcome_unknown_at_once(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    worker = make_app(IDEMPOTENCY_ON_ABANDONED="unknown")
+    other = make_app(IDEMPOTENCY_ON_ABANDONED="unknown")
+    thread, proceed, _ = hold_first(worker, key)
+    try:
+        owner_of(worker).stop()
+        retry = post(other.test_client(), "/payments", key)
+        assert retry.status_code == 409
+        assert retry.get_json()["type"].endswith(":outcome-unknown")
+        assert owner_row(db, key)[0] == "unknown"
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert executions(db, key) == 1
+
+
+def test_a_terminated_owner_connection_is_no_death(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    worker, other = make_app(), make_app()
+    thread, proceed, results = hold_first(worker, key)
+    try:
+        owner = owner_of(worker)
+        for _ in range(3):  # terminated again and again: the worker takes its lock again
+            db.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'flask-idempotency owner'"
+                " AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
+                " AND (classid::bigint << 32 | objid::bigint) = %s)",
+                [owner.id],
+            )
+            retry = post(other.test_client(), "/payments", key)
+            assert retry.status_code == 409, retry.get_json()
+            assert retry.get_json()["type"].endswith(":request-in-progress")
+        assert owner.current() == owner.id
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201
+    assert executions(db, key) == 1
+
+
+def test_a_live_view_longer_than_its_lease_is_never_taken_over(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    lease = 0.6
+    worker, other = make_app(IDEMPOTENCY_LEASE=lease), make_app(IDEMPOTENCY_LEASE=lease)
+    thread, proceed, results = hold_first(worker, key)
+    try:
+        deadline = time.monotonic() + 4 * lease
+        while time.monotonic() < deadline:  # retried every 0.2 s for four leases
+            retry = post(other.test_client(), "/payments", key)
+            assert retry.status_code == 409, retry.get_json()
+            time.sleep(0.2)
+        assert owner_row(db, key)[5] is True  # renewed: its lease runs on
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201
+    replay = post(other.test_client(), "/payments", key)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert executions(db, key) == 1
+
+
+def test_an_answer_given_is_an_answer_stored_when_the_database_comes_back(
+    make_app: Callable[..., Flask], database_url: str, db: DB, key: str
+) -> None:
+    with TcpProxy.to_database(database_url) as proxy:
+        app = make_app(
+            database_url=proxy.url(database_url),
+            IDEMPOTENCY_POOL_TIMEOUT=0.5,
+            IDEMPOTENCY_STATEMENT_TIMEOUT=0.5,
+        )
+        other = make_app()
+        thread, proceed, results = hold_first(app, key)
+        proxy.freeze()  # a partition: the pool's and the owner's connections hang
+        proceed.set()
+        thread.join(20)
+        first = results["first"]
+        assert first.status_code == 201  # the client is told what the view did
+        assert owner_row(db, key)[0] == "processing"
+        assert owner_of(app).kept == 1
+        retry = post(other.test_client(), "/payments", key)
+        assert retry.status_code == 409  # in progress (its lease runs), never run again
+        proxy.thaw()
+        wait_until(lambda: owner_row(db, key)[0] == "completed", 15)
+        replay = post(other.test_client(), "/payments", key)
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        assert replay.get_data() == first.get_data()
+        assert executions(db, key) == 1
+        app.extensions["idempotency"].store.close()
+
+
+def test_without_the_owner_lock_claims_are_judged_by_their_lease(
+    make_app: Callable[..., Flask], db: DB, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, "flask_idempotency"):
+        pooled = make_app(IDEMPOTENCY_PREPARED_STATEMENTS=False)  # a transaction pooler
+        assert post(pooled.test_client(), "/payments", key).status_code == 201
+    assert pooled.extensions["idempotency"].store.owner is None
+    said = [r.getMessage() for r in caplog.records if "no owner lock" in r.getMessage()]
+    assert len(said) == 1 and "IDEMPOTENCY_OWNER_DATABASE_URL" in said[0]
+    off = make_app(IDEMPOTENCY_OWNER_LOCK=False)
+    thread, proceed, _ = hold_first(off, f"{key}-off")
+    try:
+        assert owner_row(db, f"{key}-off")[2] is None
+    finally:
+        proceed.set()
+        thread.join(20)
+
+
+def test_an_owner_database_url_holds_the_lock_where_the_store_url_is_pooled(
+    make_app: Callable[..., Flask], database_url: str, db: DB, key: str
+) -> None:
+    app = make_app(
+        IDEMPOTENCY_PREPARED_STATEMENTS=False, IDEMPOTENCY_OWNER_DATABASE_URL=database_url
+    )
+    thread, proceed, _ = hold_first(app, key)
+    try:
+        assert owner_row(db, key)[2] == owner_of(app).id
+    finally:
+        proceed.set()
+        thread.join(20)
+
+
+def test_many_threads_of_one_process_share_one_owner_connection(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    app = make_app()
+    results: list[int] = []
+
+    def send(i: int) -> None:
+        results.append(post(app.test_client(), "/payments", f"{key}-{i}").status_code)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert results == [201] * 8
+    owners = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'flask-idempotency owner'"
+        " AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
+        " AND (classid::bigint << 32 | objid::bigint) = %s)",
+        [owner_of(app).id],
+    ).fetchone()
+    assert owners == (1,)
