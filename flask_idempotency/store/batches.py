@@ -33,6 +33,7 @@ from .records import (
 )
 from .statements_background import (
     COUNT_DUE_FOR_COMPLETION,
+    DEAD_OWNER,
     DEFERRED,
     DELETE_JOBS,
     DUE_FOR_COMPLETION,
@@ -43,6 +44,8 @@ from .statements_background import (
     MARK_UNKNOWN,
     MARK_UNKNOWN_DUE_BESIDE,
     NEXT_JOBS,
+    OWNERS_OF_PENDING,
+    OWNERS_OF_UNKNOWN,
     RESCHEDULE,
     TAKE_OVER,
     UNRESERVE,
@@ -59,13 +62,18 @@ class Batches:
         self.store = store
         statement = store.statement
         deferred = sql.SQL(DEFERRED)
-        self._due_for_completion = statement(DUE_FOR_COMPLETION, deferred=deferred)
+        dead_owner = sql.SQL(DEAD_OWNER)
+        self._due_for_completion = statement(
+            DUE_FOR_COMPLETION, deferred=deferred, dead_owner=dead_owner
+        )
+        self._owners_of_pending = statement(OWNERS_OF_PENDING)
+        self._owners_of_unknown = statement(OWNERS_OF_UNKNOWN)
         self._count_due = statement(COUNT_DUE_FOR_COMPLETION, deferred=deferred)
         self._take_over = statement(TAKE_OVER)
         self._unreserve = statement(UNRESERVE)
         self._mark_unknown = statement(MARK_UNKNOWN)
         self._key_state = statement(KEY_STATE)
-        self._due_for_reconcile = statement(DUE_FOR_RECONCILE)
+        self._due_for_reconcile = statement(DUE_FOR_RECONCILE, dead_owner=dead_owner)
         self._mark_unknown_due = statement(MARK_UNKNOWN_DUE_BESIDE)
         self._reschedule = statement(RESCHEDULE)
         self._due_jobs = statement(DUE_JOBS)
@@ -100,6 +108,8 @@ class Batches:
             "hold": hold,
             "only_tenant": only[0] if only else None,
             "only_key": only[1] if only else None,
+            "gone_owners": self.store.dead_owners(self._owners_of_pending),
+            **self.store.owner_params(),
         }
         return records(DueKey, self.store.fetch(self._due_for_completion, params))
 
@@ -128,8 +138,12 @@ class Batches:
             ttl=ttl,
             on_abandoned=on_abandoned,
             lock_id=lock_id(fence[0], fence[1]),
+            **self.store.owner_params(),
         )
-        return record_of(Taken, self.store.fetch(self._take_over, params, pinned))
+        taken = record_of(Taken, self.store.fetch(self._take_over, params, pinned))
+        if taken is not None and pinned is None:
+            self.store.renew_while_held(fence[0], fence[1], taken, lease.total_seconds())
+        return taken
 
     def unreserve(self, fence: Fence) -> None:
         """Leave a key that was not run as it was: end the batch's reservation."""
@@ -151,7 +165,13 @@ class Batches:
         """Reserve up to *limit* due ``unknown`` keys for *hold*."""
         retired = {"retired_unknown_index": self.store.schema.retired_unknown_index}
         self.store.run(self._mark_unknown_due, retired)
-        params = {"max_attempts": max_attempts, "limit": limit, "hold": hold}
+        params = {
+            "max_attempts": max_attempts,
+            "limit": limit,
+            "hold": hold,
+            "gone_owners": self.store.dead_owners(self._owners_of_unknown),
+            **self.store.owner_params(),
+        }
         return records(UnknownDue, self.store.fetch(self._due_for_reconcile, params))
 
     def reschedule(

@@ -31,7 +31,7 @@ from ..config import Settings
 from ..errors import StoreError
 from .conninfo import check_conninfo
 from .owner import APPLICATION_NAME as OWNER_APPLICATION
-from .owner import Owner
+from .owner import GRACE_SECONDS, Owner
 from .pool import (
     BoundedConnection,
     bounded,
@@ -45,6 +45,7 @@ from .pool import (
 from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
+from .statements_background import FREE_OWNERS
 from .statements_request import RENEW
 
 __all__ = ["Execution", "HeldTransaction", "bounded_transaction"]
@@ -56,6 +57,10 @@ _T = TypeVar("_T")
 #: the least time a statement sent again (after its connection died) may take: a try
 #: late in the bound still gets a fair chance
 _LEAST_STATEMENT_SECONDS = 0.5
+
+#: how long a process's first claim waits for its owner lock (a claim made without it is
+#: judged by its lease alone); within the slack of the request's bound (SPEC §13)
+FIRST_OWNER_WAIT = 0.5
 
 
 class HeldTransaction:
@@ -133,6 +138,7 @@ class Execution:
         self.at_rest = AtRest(settings.encryptor)  #: seals what is stored (or not)
         #: this process's owner lock (SPEC §20), made on first use in each process
         self._owner: Owner | None = None
+        self._free_owners = self.statement(FREE_OWNERS)
         self._said_no_owner = False
 
     def render(self, query: str, **parts: sql.Composable) -> str:
@@ -196,6 +202,33 @@ class Execution:
                     settings.statement_timeout,
                 )
             return self._owner
+
+    def owner_params(self) -> dict[str, Any]:
+        """What a claim or a reservation records of its owner (SPEC §20): the owner id
+        while its lock is held (None: judged by the lease alone), its host and pid. The
+        process's first one waits a moment for the lock (within the slack of the request's
+        bound, SPEC §13)."""
+        owner = self.owner
+        if owner is None:
+            return {"owner": None, "owner_host": None, "owner_pid": None}
+        return {
+            "owner": owner.current(wait=FIRST_OWNER_WAIT),
+            "owner_host": owner.host,
+            "owner_pid": owner.pid,
+        }
+
+    def dead_owners(self, owners: Statement) -> list[int]:
+        """The owners of what *owners* finds (their ids) whose lock is free, and still
+        free :data:`~.owner.GRACE_SECONDS` later: their processes are dead (an owner whose
+        session was only cut takes its lock again meanwhile)."""
+        found = [row[0] for row in self.fetch(owners, {}).rows]
+        if not found:
+            return []
+        free = [row[0] for row in self.fetch(self._free_owners, {"ids": found}).rows]
+        if not free:
+            return []
+        time.sleep(GRACE_SECONDS)
+        return [row[0] for row in self.fetch(self._free_owners, {"ids": free}).rows]
 
     def _owner_connection(self) -> psycopg.Connection[Any]:
         """The owner lock's own connection: autocommit, bounded, never the pool's."""

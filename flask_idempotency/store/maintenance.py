@@ -33,6 +33,7 @@ from .statements_background import (
     COUNT_BACKLOG,
     COUNT_EXPIRED,
     COUNT_STUCK,
+    DEAD_OWNER,
     DEFERRED,
     DELETE_EXPIRED,
     END_LEASE,
@@ -40,6 +41,7 @@ from .statements_background import (
     LIST_JOBS,
     LIST_KEYS,
     MARK_ABANDONED,
+    OWNERS_OF_CLAIMS,
     SHOW_KEY,
 )
 
@@ -52,7 +54,8 @@ class Maintenance:
         statement = store.statement
         self._delete_expired = statement(DELETE_EXPIRED)
         self._count_expired = statement(COUNT_EXPIRED)
-        self._mark_abandoned = statement(MARK_ABANDONED)
+        self._mark_abandoned = statement(MARK_ABANDONED, dead_owner=sql.SQL(DEAD_OWNER))
+        self._owners_of_claims = statement(OWNERS_OF_CLAIMS)
         self._count_abandoned = statement(COUNT_ABANDONED)
         self._list_keys = statement(LIST_KEYS)
         self._show_key = statement(SHOW_KEY)
@@ -75,7 +78,13 @@ class Maintenance:
         ``on_abandoned`` policy its claim recorded says (*on_abandoned*, the app-wide
         one, for a claim that recorded none): how many were marked, and how many of
         them ``unknown`` (the others ``retryable``)."""
-        params = {"margin": margin, "on_abandoned": on_abandoned, "batch": batch_size}
+        params = {
+            "margin": margin,
+            "on_abandoned": on_abandoned,
+            "batch": batch_size,
+            # claims in their lease whose owner is dead (SPEC §20): at once
+            "gone_owners": self.store.dead_owners(self._owners_of_claims),
+        }
         return self._abandoned(self.store.run(self._mark_abandoned, params)[1])
 
     def count_abandoned(self, margin: timedelta, on_abandoned: str) -> Abandoned:

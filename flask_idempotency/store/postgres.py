@@ -11,6 +11,7 @@ pool and the execution path are :mod:`.execution`'s.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -49,10 +50,6 @@ from .statements_request import (
 )
 
 __all__ = ["HeldTransaction", "KeyAnswer", "PinnedClaim", "PostgresStore", "store_errors"]
-
-#: how long a process's first claim waits for its owner lock (a claim made without it is
-#: judged by its lease alone); within the slack of the request's bound (SPEC §13)
-FIRST_OWNER_WAIT = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +141,6 @@ class PostgresStore(Execution):
         """
         with refused("the request could not be stored"):
             stored = self.at_rest.request_params(tenant, key, request)
-        owner = self.owner
         params = {
             "tenant": tenant,
             "key": key,
@@ -153,10 +149,7 @@ class PostgresStore(Execution):
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": terms.on_abandoned,
-            # the process's first claim waits a moment for its owner lock
-            "owner": owner.current(wait=FIRST_OWNER_WAIT) if owner else None,
-            "owner_host": owner.host if owner else None,
-            "owner_pid": owner.pid if owner else None,
+            **self.owner_params(),
             "gone_owner": gone_owner,
             **stored,
         }
@@ -170,9 +163,18 @@ class PostgresStore(Execution):
             # holding nothing: still free, it is dead.
             time.sleep(GRACE_SECONDS)
             return self.claim(tenant, key, fingerprint, terms, request, None, outcome.free_owner)
-        if outcome.owns_key and pinned is None and owner is not None:
-            owner.hold(_fence(tenant, key, outcome), terms.lease.total_seconds())
+        if outcome.owns_key and pinned is None:
+            self.renew_while_held(tenant, key, outcome, terms.lease.total_seconds())
         return outcome
+
+    def renew_while_held(
+        self, tenant: str, key: str, outcome: ClaimOutcome | Any, lease: float
+    ) -> None:
+        """The owner renews the claim *outcome* (its attempt and generation) until it
+        ends (:meth:`finish`, :meth:`forget`, :meth:`defer`)."""
+        owner = self._owner
+        if owner is not None and owner.pid == os.getpid():
+            owner.hold(_fence(tenant, key, outcome), lease)
 
     def claim_pinned(
         self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None

@@ -21,15 +21,20 @@ DUE_FOR_COMPLETION = """
 WITH due AS (
     SELECT tenant, key FROM {table}
     WHERE request IS NOT NULL
-      AND (updated_at <= now() - %(older_than)s OR {deferred})
       AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
-      AND coalesce(locked_until, '-infinity') <= now()
+      AND ((updated_at <= now() - %(older_than)s OR {deferred})
+               AND coalesce(locked_until, '-infinity') <= now()
+           -- held by a dead owner (a request's worker, or a completer that reserved it):
+           -- nobody works on it, at once
+           OR {dead_owner})
       AND (%(only_key)s::text IS NULL OR (tenant, key) = (%(only_tenant)s, %(only_key)s))
     ORDER BY updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s
+UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s,
+    owner_id = %(owner)s, owner_claim = k.generation + k.attempt,
+    owner_host = %(owner_host)s, owner_pid = %(owner_pid)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
 RETURNING k.tenant, k.key, k.status, k.attempt, k.generation, k.fingerprint,
           k.request, k.request_body, k.locked_until AS reserved, k.on_abandoned
@@ -52,7 +57,9 @@ UPDATE {table}
 SET status = 'processing', attempt = attempt + 1, locked_until = now() + %(lease)s,
     updated_at = now(), expires_at = now() + %(ttl)s + interval '2 seconds',
     response_status = NULL, response_headers = NULL, response_body = NULL,
-    on_abandoned = %(on_abandoned)s, ttl_seconds = extract(epoch FROM %(ttl)s)
+    on_abandoned = %(on_abandoned)s, ttl_seconds = extract(epoch FROM %(ttl)s),
+    owner_id = %(owner)s, owner_claim = generation + attempt + 1,
+    owner_host = %(owner_host)s, owner_pid = %(owner_pid)s
 WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
   AND (attempt, generation, fingerprint) = (%(attempt)s, %(generation)s, %(fingerprint)s)
   AND status IN ('retryable', 'processing')
@@ -99,12 +106,14 @@ DUE_FOR_RECONCILE = """
 WITH due AS (
     SELECT tenant, key FROM {table}
     WHERE status = 'unknown' AND reconcile_attempts < %(max_attempts)s
-      AND reconcile_due_at <= now()
+      AND (reconcile_due_at <= now() OR {dead_owner})
     ORDER BY reconcile_due_at NULLS FIRST, updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS k SET reconcile_due_at = now() + %(hold)s
+UPDATE {table} AS k SET reconcile_due_at = now() + %(hold)s,
+    owner_id = %(owner)s, owner_claim = k.generation + k.attempt,
+    owner_host = %(owner_host)s, owner_pid = %(owner_pid)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
 RETURNING k.tenant, k.key, k.attempt, k.generation, k.recovery_point,
           k.reconcile_attempts AS looks, k.request, k.request_body
@@ -129,7 +138,7 @@ RESCHEDULE = """
 UPDATE {table}
 SET reconcile_attempts = reconcile_attempts + 1,
     reconcile_due_at = now() + least(%(backoff)s * 2 ^ least(reconcile_attempts, 30), %(cap)s),
-    reconcile_error = %(error)s
+    reconcile_error = %(error)s, owner_id = NULL, owner_claim = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'unknown'
   AND (attempt, generation, reconcile_attempts) = (%(attempt)s, %(generation)s, %(looks)s)
 RETURNING reconcile_attempts AS looks, extract(epoch FROM reconcile_due_at - now()) AS due_in
@@ -255,9 +264,16 @@ WITH found AS (
     """
     + ABANDONED_KEYS
     + """
+    UNION SELECT tenant, key FROM {table}
+    WHERE created_at > now() - interval '"""
+    + ABANDONED_HORIZON
+    + """' AND status = 'processing' AND {dead_owner}
 ), stale AS (
     SELECT k.tenant, k.key FROM {table} AS k JOIN found USING (tenant, key)
-    WHERE k.status = 'processing' AND k.locked_until <= now() - %(margin)s
+    WHERE k.status = 'processing'
+      AND (k.locked_until <= now() - %(margin)s OR """
+    + "{dead_owner}"
+    + """)
     LIMIT %(batch)s FOR UPDATE OF k SKIP LOCKED
 ), marked AS (
     UPDATE {table} AS k
@@ -364,4 +380,39 @@ END_LEASE = """
 UPDATE {table} SET locked_until = now(), owner_id = NULL, owner_claim = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
 RETURNING attempt, generation, locked_until AS lease_ended
+"""
+
+# -- owners (SPEC §20) -----------------------------------------------------------------
+
+# A claim or a reservation that an owner lock speaks for, made since the server's current
+# start: {dead_owner} is it, with the owner among those found dead (%(gone_owners)s).
+OWNED = (
+    "owner_id IS NOT NULL AND owner_claim = generation + attempt"
+    " AND updated_at >= pg_postmaster_start_time()"
+)
+DEAD_OWNER = "(owner_id = ANY(%(gone_owners)s::bigint[]) AND " + OWNED + ")"
+
+# The owners of what a background pass looks at: request claims in their lease and
+# reservations (a completer's, a reconciler's), in the index each pass reads. Few: one per
+# process.
+OWNERS_OF_PENDING = (
+    "SELECT DISTINCT owner_id FROM {table} WHERE request IS NOT NULL AND "
+    + OWNED
+    + " AND (status = 'processing' OR status = 'retryable' AND locked_until > now())"
+)
+OWNERS_OF_UNKNOWN = (
+    "SELECT DISTINCT owner_id FROM {table}"
+    " WHERE status = 'unknown' AND reconcile_due_at > now() AND " + OWNED
+)
+OWNERS_OF_CLAIMS = (
+    "SELECT DISTINCT owner_id FROM {table} WHERE created_at > now() - interval '"
+    + ABANDONED_HORIZON
+    + "' AND status = 'processing' AND locked_until > now() AND "
+    + OWNED
+)
+
+# Which of the owners are free now: their session ended (dead, or reconnecting). Asked
+# twice, GRACE_SECONDS apart: free both times, dead.
+FREE_OWNERS = """
+SELECT id FROM unnest(%(ids)s::bigint[]) AS id WHERE pg_try_advisory_xact_lock_shared(id)
 """

@@ -67,7 +67,13 @@ class OldRelease:
     unknown_due_at: str
 
 
-RELEASES = [OldRelease("f804229", "NULL"), OldRelease("9c9ab3e", "now()")]
+RELEASES = [
+    OldRelease("f804229", "NULL"),
+    OldRelease("9c9ab3e", "now()"),
+    # the last release without owners (SPEC §20): its claims and takeovers leave the owner
+    # columns as they were
+    OldRelease("fe789f9", "now()"),
+]
 
 #: keys put in the old release's table by SQL, before any process serves it
 BULK_KEYS = 100_000
@@ -994,3 +1000,220 @@ def test_upgrade_with_fail_open_runs_nothing_twice(scenario: Scenario) -> None:
             traffic.finish()
         check_the_end(db, traffic, findings, [old, new])
     findings.check(traffic)
+
+
+# -- the owner columns (SPEC §20) ---------------------------------------------------------------
+
+#: the old releases the owner scenario runs against: the last one without owners (the others
+#: leave the owner columns alone the same way)
+OWNERLESS = [r for r in RELEASES if r.commit == "fe789f9"]
+#: the new release's lease in the owner scenario: the lease of its killed claim runs out soon
+#: (the old release keeps its 60 s lease: its claims stay in their lease throughout)
+OWNER_LEASE = 2
+#: the tenant of the owner scenario's keys
+OWNER_TENANT = "o"
+
+
+@dataclass
+class Held:
+    """A request of the owner scenario held in its view at a gate of its own."""
+
+    serving: Serving
+    key: str
+    attempt: int  #: the attempt it runs as
+    gate: str
+    pid: int  #: the worker running it
+    thread: threading.Thread
+    #: what came back (an answer, or the error of a killed worker)
+    outcome: list[Response | BaseException]
+
+    def open(self, db: DB) -> Response | BaseException | None:
+        """Open its gate; what it answered (None: nothing within 30 s)."""
+        db.execute(
+            "INSERT INTO gates (name, open) VALUES (%s, true)"
+            " ON CONFLICT (name) DO UPDATE SET open = true",
+            (self.gate,),
+        )
+        self.thread.join(30)
+        return self.outcome[0] if self.outcome else None
+
+    def kill(self) -> None:
+        """``kill -9`` its worker; the request must die with it."""
+        assert self.pid in self.serving.server.worker_pids(), (self.key, self.pid)
+        os.kill(self.pid, signal.SIGKILL)
+        self.thread.join(30)
+        assert self.outcome and isinstance(self.outcome[0], BaseException), self.outcome
+        self.serving.server.wait_for_workers(timeout=30, exclude={self.pid})
+
+
+def hold(db: DB, serving: Serving, key: str, attempt: int) -> Held:
+    """A request of *key* to *serving*, held in its view as *attempt* (the harness fails
+    when it is answered instead, or runs as another attempt)."""
+    gate = f"{key}-{attempt}"
+    outcome: list[Response | BaseException] = []
+
+    def send() -> None:
+        headers = {"X-Tenant": OWNER_TENANT, "X-Gate": gate}
+        try:
+            outcome.append(post(serving.port, "/pay", key, {"amount": 1}, headers=headers))
+        except (OSError, http.client.HTTPException) as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+
+    def running() -> tuple[int, int] | Response | BaseException | None:
+        row = db.execute(
+            "SELECT attempt, pid FROM executions WHERE tenant = %s AND key = %s"
+            " ORDER BY at DESC LIMIT 1",
+            (OWNER_TENANT, key),
+        ).fetchone()
+        if row is not None and row[0] >= attempt:
+            return row[0], row[1]
+        return outcome[0] if outcome else None
+
+    found = wait_until(running, 30, f"{key} in its view as attempt {attempt}")
+    assert isinstance(found, tuple), f"{key} to {serving.label} answered instead: {found}"
+    assert found[0] == attempt, f"{key} runs as attempt {found[0]}, not {attempt}"
+    return Held(serving, key, attempt, gate, found[1], thread, outcome)
+
+
+@dataclass(frozen=True)
+class Owned:
+    """What a key's row says of its claim's owner."""
+
+    status: str
+    attempt: int
+    owner_id: int | None
+    owner_pid: int | None
+    #: owner_claim = generation + attempt: the recorded owner made the claim in flight
+    current: bool
+    #: seconds left of its lease
+    lease_left: float
+    #: a session holds the owner's lock
+    alive: bool
+
+
+def owned(db: DB, key: str) -> Owned:
+    row = db.execute(
+        sql.SQL(
+            "SELECT status, attempt, owner_id, owner_pid,"
+            " coalesce(owner_claim = generation + attempt, false),"
+            " coalesce(extract(epoch FROM locked_until - now()), 0)::float8,"
+            " EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+            "         AND (classid::bigint << 32 | objid::bigint) = owner_id)"
+            " FROM {} WHERE tenant = %s AND key = %s"
+        ).format(sql.Identifier(TABLE)),
+        (OWNER_TENANT, key),
+    ).fetchone()
+    assert row is not None, key
+    return Owned(*row)
+
+
+def lease_runs_out(db: DB, key: str) -> None:
+    """Until the lease of *key*'s claim is over."""
+    wait_until(lambda: owned(db, key).lease_left <= 0, 15, f"the lease of {key} to run out")
+
+
+def executions_of(db: DB, key: str) -> list[str]:
+    """release:attempt of each execution of *key*, in order."""
+    rows = db.execute(
+        "SELECT release || ':' || attempt FROM executions WHERE tenant = %s AND key = %s"
+        " ORDER BY at",
+        (OWNER_TENANT, key),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("release", OWNERLESS, ids=[r.commit for r in OWNERLESS])
+def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario) -> None:
+    """The owner columns beside a release without owners (SPEC §20): a key's row carries an
+    owner of the new release, whose process is killed (``kill -9``: its lock is free), while
+    the old release runs a later claim of that key (its takeover left the owner columns as
+    they were). A retry through the new release must judge that claim by its lease: 409 in
+    progress, never a takeover; the old release's answer is then replayed by both.
+
+    Two keys, both ways: one first claimed by the new release (its fresh claim's owner), one
+    first claimed by the old release and taken over by the new one (its takeover's owner),
+    each then taken over by the old release after the new one's owner was killed."""
+    s, findings = scenario, scenario.findings
+    with psycopg.connect(s.url, autocommit=True) as db:
+        new = s.serve(s.new, workers=2, lease=str(OWNER_LEASE))
+        first = post(new.port, "/pay", f"owner-first-{uuid.uuid4().hex[:8]}", {"amount": 1})
+        assert first.status == 201, first  # and its schema step adds the owner columns
+        wait_for_the_upgrade(db, s.new_layout, s.old_layout, findings)
+        old = s.serve(s.old, workers=2)
+        by_new = f"owner-new-{uuid.uuid4().hex[:8]}"  # first claimed by the new release
+        by_old = f"owner-old-{uuid.uuid4().hex[:8]}"  # first claimed by the old release
+
+        findings.step("the first claims held, their workers killed")
+        new_first, old_first = hold(db, new, by_new, 1), hold(db, old, by_old, 1)
+        assert owned(db, by_new).owner_pid == new_first.pid, owned(db, by_new)
+        assert owned(db, by_old).owner_id is None, owned(db, by_old)
+        new_first.kill()
+        old_first.kill()
+        # the old release's 60 s lease ends now, as it would (the test does not wait for it)
+        db.execute(
+            sql.SQL(
+                "UPDATE {} SET locked_until = now() WHERE tenant = %s AND key = %s"
+                " AND status = 'processing' AND attempt = 1"
+            ).format(sql.Identifier(TABLE)),
+            (OWNER_TENANT, by_old),
+        )
+        findings.step("the new release takes over the old release's key, is killed")
+        new_takeover = hold(db, new, by_old, 2)
+        row = owned(db, by_old)
+        assert (row.owner_pid, row.current) == (new_takeover.pid, True), row
+        new_takeover.kill()
+
+        findings.step("the old release takes both keys over once their leases ran out")
+        lease_runs_out(db, by_new)
+        lease_runs_out(db, by_old)
+        old_claims = [hold(db, old, by_new, 2), hold(db, old, by_old, 3)]
+        for claim, killed in zip(old_claims, (new_first, new_takeover)):
+            row = owned(db, claim.key)
+            # what the scenario is about: the killed owner is still recorded, its lock is
+            # free, the claim in flight is the old release's, in its lease
+            assert row.owner_pid == killed.pid and not row.current and not row.alive, row
+            assert row.lease_left > 30, row
+
+        findings.step("retries while the old release's claims run")
+        for claim in old_claims:
+            for serving in (new, old, new):
+                answer = post(
+                    serving.port, "/pay", claim.key, {"amount": 1}, headers={"X-Tenant": "o"}
+                )
+                kind = problem_kind(answer.status, answer.headers, answer.body)
+                if (answer.status, kind) != (409, "request-in-progress"):
+                    findings.add(
+                        f"a retry of {claim.key} through {serving.label} while the old"
+                        f" release runs attempt {claim.attempt} (its recorded owner of the new"
+                        f" release dead) answered {answer.status} {kind or answer.body[:200]!r},"
+                        " not 409 request-in-progress"
+                    )
+            if owned(db, claim.key).attempt != claim.attempt:
+                findings.add(f"{claim.key} was taken over: {owned(db, claim.key)}")
+
+        findings.step("the old release answers; both replay it")
+        for claim in old_claims:
+            answer = claim.open(db)
+            if not isinstance(answer, Response) or answer.status != 201 or answer.replayed:
+                findings.add(f"attempt {claim.attempt} of {claim.key} answered {answer!r}")
+                continue
+            for serving in (new, old):
+                replay = post(
+                    serving.port, "/pay", claim.key, {"amount": 1}, headers={"X-Tenant": "o"}
+                )
+                if (replay.status, replay.replayed, replay.body) != (201, True, answer.body):
+                    findings.add(
+                        f"the retry of {claim.key} through {serving.label} after the old"
+                        f" release's answer: {replay.status} replayed={replay.replayed}"
+                        f" {replay.body[:200]!r}, not the replay of {answer.body[:200]!r}"
+                    )
+        ran = {key: executions_of(db, key) for key in (by_new, by_old)}
+        expected = {by_new: ["new:1", "old:2"], by_old: ["old:1", "new:2", "old:3"]}
+        if ran != expected:
+            findings.add(f"executions (release:attempt): {ran}, expected {expected}")
+        stop(new, old)
+    findings.step("checked")
+    assert not findings.items, "\n".join(f"- {item}" for item in findings.items)
