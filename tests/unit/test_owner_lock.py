@@ -238,3 +238,50 @@ def test_many_threads_of_one_process_share_one_owner_connection(
         [owner_of(app).id],
     ).fetchone()
     assert owners == (1,)
+
+
+def test_the_cleaner_marks_a_dead_owners_claim_at_once_and_leaves_a_live_ones(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    dead, live, cleaner = make_app(), make_app(), make_app()
+    dead_thread, dead_proceed, _ = hold_first(dead, f"{key}-dead")
+    live_thread, live_proceed, _ = hold_first(live, f"{key}-live")
+    try:
+        owner_of(dead).stop()
+        result = cleaner.test_cli_runner().invoke(args=["idempotency-clean"])
+        assert result.exit_code == 0, result.output
+        assert "marked 1 abandoned claims (1 retryable, 0 unknown)" in result.output
+        assert owner_row(db, f"{key}-dead")[0] == "retryable"
+        assert owner_row(db, f"{key}-live")[0] == "processing"
+    finally:
+        dead_proceed.set()
+        live_proceed.set()
+        dead_thread.join(20)
+        live_thread.join(20)
+
+
+def test_the_completer_takes_up_a_dead_owners_claim_at_once(
+    make_completer_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    worker, completer = make_completer_app(), make_completer_app()
+    entered, proceed = worker.extensions["test_gates"].add(key)
+    thread = threading.Thread(
+        target=lambda: worker.test_client().post(
+            "/shop/orders",
+            json={"amount": 250},
+            headers={"Idempotency-Key": key, "X-Tenant": "acme", "X-Gate": key},
+        )
+    )
+    thread.start()
+    try:
+        assert entered.wait(10)
+        owner_of(worker).stop()
+        result = completer.test_cli_runner().invoke(
+            args=["idempotency-complete", "--older-than", "0"]
+        )
+        assert result.exit_code == 0, result.output
+        assert f"completed tenant='acme' key='{key}' attempt=2" in result.output
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert owner_row(db, key)[:2] == ("completed", 2)
