@@ -55,8 +55,9 @@ class PrometheusMetrics:
       the reconciler, ``resolve()``, the console or the CLI (``source``);
     - ``idempotency_cleaned_keys_total{action}``: keys the cleaner ``deleted`` or ``marked``;
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
-      keys in ``unknown``, and unknown keys whose reconciliation gave up
-      (``exhausted``), read from the database when scraped. Alert on them.
+      keys in ``unknown``, unknown keys whose reconciliation gave up (``exhausted``), and
+      claims in their lease whose owner's session ended (``dead_owner``: a dead worker's,
+      abandoned at the next look), read from the database when scraped. Alert on them.
     - ``idempotency_deferred_keys``: ``asynchronous=True`` keys waiting for a run, and
       ``idempotency_jobs{state}``: staged jobs ``due`` (never tried, not failing),
       ``failing`` (failed at least once, not dead) and ``dead``; read when scraped too.
@@ -227,7 +228,7 @@ class StuckKeysCollector(Collector):
             self._read_heartbeats(app, beats)
         if stuck:
             family = self._stuck()
-            for name in ("abandoned", "unknown", "exhausted"):
+            for name in ("abandoned", "unknown", "exhausted", "dead_owner"):
                 family.add_metric([name], sum(getattr(row, name) for row in stuck.values()))
             yield family
         if backlog:

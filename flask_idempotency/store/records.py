@@ -142,6 +142,8 @@ class StuckCounts:
     unknown: int
     #: unknown keys whose reconciliation gave up
     exhausted: int
+    #: claims in their lease whose owner's session ended (SPEC §20)
+    dead_owner: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +283,11 @@ class KeyDetail:
     exhausted: bool
     #: why a sealed response or request cannot be opened (shown, never the ciphertext)
     sealed_error: str | None = None
+    #: the claim's owner (SPEC §20): where it runs, and ``owner_state`` ('alive', 'gone',
+    #: 'lease': no owner lock speaks for it; None: not a claim in its lease)
+    owner_host: str | None = None
+    owner_pid: int | None = None
+    owner_state: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

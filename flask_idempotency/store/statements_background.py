@@ -293,6 +293,21 @@ SELECT count(*), count(*) FILTER (WHERE status = 'unknown') FROM marked
 # its claim's, see FINISH)
 LEASE = "CASE WHEN status = 'processing' THEN locked_until END AS locked_until"
 
+# A claim in flight that an owner lock speaks for (SPEC §20), made since the server's start.
+OWNED = (
+    "owner_id IS NOT NULL AND owner_claim = generation + attempt"
+    " AND updated_at >= pg_postmaster_start_time()"
+)
+
+# What a person is told of a claim's owner: 'alive' (its lock is held), 'gone' (its session
+# ended: the claim is abandoned at the next look that finds it still free), 'lease' (no
+# owner lock speaks for it: judged by its lease), NULL (not a claim in its lease).
+OWNER_STATE = (
+    "CASE WHEN status <> 'processing' OR NOT coalesce(locked_until > now(), false) THEN NULL"
+    " WHEN NOT coalesce(" + OWNED + ", false) THEN 'lease'"
+    " WHEN pg_try_advisory_xact_lock_shared(owner_id) THEN 'gone' ELSE 'alive' END"
+)
+
 LIST_KEYS = (
     """
 SELECT tenant, key, status, attempt, recovery_point, now() - created_at AS age,
@@ -349,7 +364,16 @@ SELECT (SELECT count(*) FROM ("""
           AND to_regclass(%(retired_unknown_index)s) IS NOT NULL) AS unknown,
        (SELECT count(*) FROM {table}
         WHERE status = 'unknown' AND reconcile_due_at IS NOT NULL
-          AND reconcile_attempts >= %(max_attempts)s) AS exhausted
+          AND reconcile_attempts >= %(max_attempts)s) AS exhausted,
+       -- claims in their lease whose owner's session ended (SPEC §20): a dead worker's,
+       -- abandoned at the next look (a moment, if the owner was only reconnecting)
+       (SELECT count(*) FROM {table}
+        WHERE created_at > now() - interval '"""
+    + ABANDONED_HORIZON
+    + """'
+          AND """
+    + OWNER_STATE
+    + """ = 'gone') AS dead_owner
 """
 )
 
@@ -384,12 +408,8 @@ RETURNING attempt, generation, locked_until AS lease_ended
 
 # -- owners (SPEC §20) -----------------------------------------------------------------
 
-# A claim or a reservation that an owner lock speaks for, made since the server's current
-# start: {dead_owner} is it, with the owner among those found dead (%(gone_owners)s).
-OWNED = (
-    "owner_id IS NOT NULL AND owner_claim = generation + attempt"
-    " AND updated_at >= pg_postmaster_start_time()"
-)
+# A claim or a reservation that an owner lock speaks for (OWNED) whose owner is among
+# those found dead (%(gone_owners)s): {dead_owner}.
 DEAD_OWNER = "(owner_id = ANY(%(gone_owners)s::bigint[]) AND " + OWNED + ")"
 
 # The owners of what a background pass looks at: request claims in their lease and

@@ -8,7 +8,7 @@ data-modifying ``WITH``), with the database's clock.
 
 from __future__ import annotations
 
-from .statements_background import DEFERRED, LEASE, RESOLVE_KEY
+from .statements_background import DEFERRED, LEASE, OWNER_STATE, RESOLVE_KEY
 
 # -- the tables ------------------------------------------------------------------------
 
@@ -171,7 +171,10 @@ SELECT tenant, key, status, attempt, generation, recovery_point,
        octet_length(response_body) AS body_length,
        request, CASE WHEN request = '{{"sealed":1}}' THEN request_body END AS request_sealed,
        octet_length(request_body) AS request_body_length,
-       status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted
+       status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted,
+       owner_host, owner_pid, """
+    + OWNER_STATE
+    + """ AS owner_state
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 """
 )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 from flask import Flask
 
+from flask_idempotency.state import get_state
 from flask_idempotency.store.owner import GRACE_SECONDS, Owner
 from flask_idempotency.testing.proxy import TcpProxy
 from tests.support.helpers import DB, executions, hold_first, post, wait_until
@@ -285,3 +286,30 @@ def test_the_completer_takes_up_a_dead_owners_claim_at_once(
         proceed.set()
         thread.join(20)
     assert owner_row(db, key)[:2] == ("completed", 2)
+
+
+def test_people_see_the_owner_alive_or_gone_on_the_key_page_and_the_gauge(
+    make_app: Callable[..., Flask], key: str
+) -> None:
+    worker, console = make_app(), make_app()
+    state = get_state(console)
+    thread, proceed, _ = hold_first(worker, key)
+    try:
+        owner = owner_of(worker)
+        detail = state.operations.key_detail("", key, 3, 100)
+        assert detail is not None
+        assert (detail.owner_host, detail.owner_pid, detail.owner_state) == (
+            owner.host,
+            owner.pid,
+            "alive",
+        )
+        assert state.maintenance.count_stuck(3).dead_owner == 0
+        owner.stop()
+        detail = state.operations.key_detail("", key, 3, 100)
+        assert detail is not None and detail.owner_state == "gone"
+        assert state.maintenance.count_stuck(3).dead_owner == 1
+    finally:
+        proceed.set()
+        thread.join(20)
+    detail = state.operations.key_detail("", key, 3, 100)
+    assert detail is not None and detail.owner_state is None  # completed: no claim
