@@ -229,10 +229,14 @@ SELECT * FROM ended
 
 # The request that claimed the key hands it to the background instead of running the
 # view: no lease, and its attempt given back, so the run that takes it over is the
-# attempt the client's own would have been. Fenced like the finish.
+# attempt the client's own would have been. Fenced like the finish. Its owner is cleared
+# (SPEC §20): with the attempt given back, owner_claim would name the run that takes it over
+# (generation + attempt again), and a run by a release that records no owner (fe789f9's
+# completer) would be judged by this request's process, taken over once that one is gone.
 DEFER = """
 UPDATE {table}
-SET locked_until = NULL, attempt = attempt - 1, updated_at = now()
+SET locked_until = NULL, attempt = attempt - 1, updated_at = now(),
+    owner_id = NULL, owner_claim = NULL, owner_host = NULL, owner_pid = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND status = 'processing'
   AND attempt = %(attempt)s AND generation = %(generation)s
 """
