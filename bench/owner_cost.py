@@ -118,9 +118,8 @@ def main() -> None:
                     f"  ratio {on[name] / off[name]:.3f}"
                 )
             for held in (1, 10, 100):
-                print(
-                    f"  renewal of {held:3d} claims in flight: {renewal_us(server.url, held):.1f} µs"
-                )
+                us = renewal_us(server.url, held)
+                print(f"  renewal of {held:3d} claims in flight: {us:.1f} µs")
         finally:
             server.stop()
 
