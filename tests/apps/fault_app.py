@@ -72,7 +72,7 @@ CREATE TABLE IF NOT EXISTS fault_ledger (
 """
 
 #: the longest a view sleeps for ``X-Delay`` (a typo in a test must not hang a worker)
-MAX_DELAY = 5.0
+MAX_DELAY = 7.0
 
 
 def create_tables(store_url: str, executions_url: str) -> None:
