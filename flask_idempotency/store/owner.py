@@ -26,6 +26,7 @@ judged by its lease alone.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -123,6 +124,7 @@ class Owner:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._said_lost = False
+        self._flush_registered = False
         #: False once the lock was found not to be this session's (a transaction pooler)
         self.usable = True
 
@@ -147,6 +149,26 @@ class Owner:
                 target=self._serve, name="flask-idempotency-owner", daemon=True
             )
             self._thread.start()
+            if not self._flush_registered:
+                self._flush_registered = True
+                atexit.register(self.flush, os.getpid())
+
+    def flush(self, pid: int, seconds: float | None = None) -> None:
+        """At the process's exit (a graceful stop: gunicorn's reload, ``max_requests``): wait
+        up to *seconds* (the bound of a statement) for the kept answers to be stored, since
+        once the process is gone its keys are left to their ``on_abandoned``."""
+        if os.getpid() != pid or not self.kept:
+            return
+        deadline = time.monotonic() + (self._timeout * 2 if seconds is None else seconds)
+        while self.kept and time.monotonic() < deadline:
+            time.sleep(_TICK_SECONDS / 4)
+        if self.kept:
+            logger.error(
+                "owner %d exits with %d kept answer(s) not stored: their keys are left to"
+                " their on_abandoned",
+                self.id,
+                self.kept,
+            )
 
     def stop(self) -> None:
         """Let go of the lock and stop the thread (an app's teardown)."""
