@@ -198,6 +198,7 @@ class Execution:
             if self._owner is None or self._owner.pid != os.getpid():
                 self._owner = Owner(
                     self._owner_connection,
+                    self.run,
                     Statement(self.render(RENEW)),
                     settings.statement_timeout,
                 )
@@ -231,12 +232,13 @@ class Execution:
         return [row[0] for row in self.fetch(self._free_owners, {"ids": free}).rows]
 
     def _owner_connection(self) -> psycopg.Connection[Any]:
-        """The owner lock's own connection: autocommit, bounded, never the pool's."""
+        """The owner lock's own connection: bounded, never the pool's; the lock is held in
+        a transaction it leaves open (:meth:`Owner._take_lock`)."""
         url = self.settings.owner_database_url or self.settings.database_url or self.conninfo
         wanted = {**connection_parameters(self.settings), "application_name": OWNER_APPLICATION}
         in_url = psycopg.conninfo.conninfo_to_dict(url)
         params = {name: value for name, value in wanted.items() if name not in in_url}
-        return BoundedConnection.connect(url, autocommit=True, prepare_threshold=None, **params)
+        return BoundedConnection.connect(url, prepare_threshold=None, **params)
 
     @property
     def conninfo(self) -> str:

@@ -43,7 +43,7 @@ from psycopg import pq
 
 from ..errors import StoreError
 from .pool import bounded, one_line
-from .statement import Statement, execute
+from .statement import Statement
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -59,7 +59,18 @@ _RECONNECT_SECONDS = 0.2
 #: the owner lock's connection's application_name (pg_stat_activity tells them apart)
 APPLICATION_NAME = "flask-idempotency owner"
 
-TAKE_LOCK = "SELECT pg_try_advisory_lock(%(owner)s::bigint)"
+# In the lock's own transaction, left open (SET LOCAL: gone with it): no idle-in-transaction
+# timeout of the server's configuration ends it, and the server itself probes the session's
+# socket (by default the kernel's two hours), so that a host that vanished (a power cut, a
+# lost network) frees its owner locks in about 15 s, not hours.
+NO_IDLE_TIMEOUT = """
+SELECT set_config('idle_in_transaction_session_timeout', '0', true),
+       set_config('tcp_keepalives_idle', '5', true),
+       set_config('tcp_keepalives_interval', '2', true),
+       set_config('tcp_keepalives_count', '3', true),
+       set_config('tcp_user_timeout', '10000', true)
+"""
+TAKE_LOCK = "SELECT pg_try_advisory_xact_lock(%(owner)s::bigint)"
 
 # A lock taken through a transaction pooler (PgBouncer in transaction mode) belongs to
 # whatever server connection ran that statement, not to this process: the lock must be
@@ -101,18 +112,22 @@ class Held:
 class Owner:
     """This process's owner lock, its claims in flight and its kept answers.
 
-    *connect* opens the lock's connection (a :class:`~.pool.BoundedConnection` in
-    autocommit); *renew* and *timeout* are the renewal statement and the bound of each
-    statement. The thread starts at the first :meth:`current` of the process.
+    *connect* opens the lock's connection (a :class:`~.pool.BoundedConnection`); *run*
+    is the store's one execution path (:meth:`~.execution.Execution.run`: bounded, sent
+    again on a lost connection), on which the renewals (*renew*) and the kept answers are
+    sent; *timeout* bounds each statement on the lock's connection. The threads start at
+    the first :meth:`current` of the process.
     """
 
     def __init__(
         self,
         connect: Callable[[], psycopg.Connection[Any]],
+        run: Callable[[Statement, dict[str, Any]], tuple[int, Any]],
         renew: Statement,
         timeout: float,
     ) -> None:
         self._connect = connect
+        self._run = run
         self._renew = renew
         self._timeout = timeout
         self.id = new_owner_id()
@@ -122,8 +137,9 @@ class Owner:
         self._lock = threading.Lock()
         self._holding = threading.Event()
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._said_lost = False
+        self._said_failing = False
         self._flush_registered = False
         #: False once the lock was found not to be this session's (a transaction pooler)
         self.usable = True
@@ -134,21 +150,29 @@ class Owner:
         """The owner id, while its lock is held (None: claims are judged by their lease
         alone). Starts the lock's thread on the process's first call, waiting up to
         *wait* seconds for the lock."""
-        if self._thread is None or not self._thread.is_alive():
+        if not self._running():
             if not self.usable or self._stopping.is_set():
                 return None
             self._start()
             self._holding.wait(wait)
         return self.id if self._holding.is_set() else None
 
+    def _running(self) -> bool:
+        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+
     def _start(self) -> None:
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self._running() or self._stopping.is_set():
                 return
-            self._thread = threading.Thread(
-                target=self._serve, name="flask-idempotency-owner", daemon=True
-            )
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=target, name=name, daemon=True)
+                for target, name in (
+                    (self._hold_lock, "flask-idempotency-owner"),
+                    (self._keep_alive, "flask-idempotency-renewals"),
+                )
+            ]
+            for thread in self._threads:
+                thread.start()
             if not self._flush_registered:
                 self._flush_registered = True
                 atexit.register(self.flush, os.getpid())
@@ -171,11 +195,11 @@ class Owner:
             )
 
     def stop(self) -> None:
-        """Let go of the lock and stop the thread (an app's teardown)."""
+        """Let go of the lock and stop the threads (an app's teardown)."""
         self._stopping.set()
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            thread.join(self._timeout + 2 * _TICK_SECONDS)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(self._timeout + 2 * _TICK_SECONDS)
 
     # -- claims in flight ----------------------------------------------------------------
 
@@ -217,9 +241,11 @@ class Owner:
         with self._lock:
             return sum(1 for held in self._held.values() if held.kept is not None)
 
-    # -- the thread --------------------------------------------------------------------
+    # -- the lock's thread -------------------------------------------------------------
 
-    def _serve(self) -> None:
+    def _hold_lock(self) -> None:
+        """Hold the lock for as long as the process lives: taken again at once on a new
+        connection when the session ends under it (terminated, a restart, a failover)."""
         while not self._stopping.is_set():
             try:
                 with self._connect() as conn:
@@ -227,8 +253,6 @@ class Owner:
                     if not self.usable:
                         return
                     while not self._stopping.is_set():
-                        self._store_kept(conn)
-                        self._renew_due(conn)
                         _watch(conn, _TICK_SECONDS)
             except psycopg.Error as exc:
                 self._lost(exc)
@@ -237,23 +261,26 @@ class Owner:
             self._stopping.wait(_RECONNECT_SECONDS)
 
     def _take_lock(self, conn: psycopg.Connection[Any]) -> None:
-        """Take the lock (a request looking at it may hold it shared for a moment)."""
+        """Take the lock in a transaction left open (a request looking at it may hold it
+        shared for a moment: asked again). An open transaction keeps one server session
+        even behind a transaction pooler; it holds no snapshot between statements, so it
+        holds back no vacuum, and it never writes."""
         params = {"owner": self.id}
         while not self._stopping.is_set():
             with bounded(conn, self._timeout):
+                conn.execute(NO_IDLE_TIMEOUT, prepare=False)
                 taken = conn.execute(TAKE_LOCK, params, prepare=False).fetchone()
             if taken and taken[0]:
                 break
+            conn.rollback()
             time.sleep(0.05)
         with bounded(conn, self._timeout):
             mine = conn.execute(LOCK_IS_MINE, params, prepare=False).fetchone()
         if not (mine and mine[0]):
             self.usable = False
             logger.warning(
-                "owner lock: the lock taken is not held by this session (a transaction"
-                " pooler such as PgBouncer in transaction mode is in between): this"
-                " process runs on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL to a"
-                " direct URL"
+                "owner lock: the lock taken is not held by this session: this process runs"
+                " on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL to a direct URL"
             )
             return
         if self._said_lost:
@@ -266,14 +293,29 @@ class Owner:
             logger.warning("owner lock lost (owner %d): %s; reconnecting", self.id, one_line(exc))
             self._said_lost = True
 
-    def _store_kept(self, conn: psycopg.Connection[Any]) -> None:
+    # -- the renewals' thread ------------------------------------------------------------
+
+    def _keep_alive(self) -> None:
+        """Store the kept answers and renew the claims in flight, through the store's
+        execution path; a failure is said once and tried again at the next tick."""
+        while not self._stopping.wait(_TICK_SECONDS):
+            try:
+                self._store_kept()
+                self._renew_due()
+            except StoreError as exc:
+                if not self._said_failing:
+                    logger.warning("owner %d cannot renew its claims now: %s", self.id, exc)
+                    self._said_failing = True
+            else:
+                self._said_failing = False
+
+    def _store_kept(self) -> None:
         with self._lock:
             kept = [(name, held) for name, held in self._held.items() if held.kept is not None]
         for name, held in kept:
             assert held.kept is not None
             statement, params = held.kept
-            with bounded(conn, self._timeout):
-                rowcount, _ = execute(conn, statement, params, False)
+            rowcount, _ = self._run(statement, params)
             with self._lock:
                 self._held.pop(name, None)
             stored = rowcount == 1
@@ -293,7 +335,7 @@ class Owner:
             if held.on_kept is not None:
                 held.on_kept(stored)
 
-    def _renew_due(self, conn: psycopg.Connection[Any]) -> None:
+    def _renew_due(self) -> None:
         now = time.monotonic()
         with self._lock:
             due = [held for held in self._held.values() if held.renew_at <= now]
@@ -307,8 +349,7 @@ class Owner:
             "generations": [held.params["generation"] for held in due],
             "leases": [held.lease for held in due],
         }
-        with bounded(conn, self._timeout):
-            execute(conn, self._renew, params, False)
+        self._run(self._renew, params)
         with self._lock:
             for held in due:
                 held.renew_at = now + held.lease / 3

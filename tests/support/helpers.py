@@ -28,6 +28,7 @@ EXAMPLE_APP = "example.app:create_app()"
 CLAIM_LOCKS = (
     "SELECT l.pid, l.objid FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
     " WHERE l.locktype = 'advisory' AND l.granted"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " AND a.application_name IS DISTINCT FROM 'flask-idempotency owner'"
 )
 
