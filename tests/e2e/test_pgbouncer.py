@@ -112,3 +112,48 @@ def test_with_default_prepared_statements_the_store_switches_to_unprepared(
         assert post(app.test_client(), "/phased", "default-prepared-phased").status_code == 201
     switched = [r for r in caplog.records if "prepared statements fail" in r.getMessage()]
     assert len(switched) <= 1
+
+
+def test_behind_pgbouncer_a_direct_owner_url_frees_a_dead_workers_key_at_once(
+    make_app: Callable[..., Flask], pgbouncer: PgBouncer, database_url: str, db: DB, key: str
+) -> None:
+    """SPEC §20: the store's statements through PgBouncer in transaction mode, the owner
+    lock on a direct URL; a worker's owner ends (its process died): its claim is taken
+    over by the next request at once, not after the 60 s lease."""
+    settings = {
+        "database_url": pgbouncer.url,
+        "IDEMPOTENCY_PREPARED_STATEMENTS": False,
+        "IDEMPOTENCY_OWNER_DATABASE_URL": database_url,
+    }
+    worker, other = make_app(**settings), make_app(**settings)
+    thread, proceed, results = hold_first(worker, key)
+    try:
+        owner = worker.extensions["idempotency"].store.owner
+        assert owner is not None
+        owner.stop()
+        retry = post(other.test_client(), "/payments", key)
+        assert retry.status_code == 201 and retry.get_json()["attempt"] == 2
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201
+    assert executions(db, key) == 2
+
+
+def test_behind_pgbouncer_without_an_owner_url_claims_are_judged_by_their_lease(
+    make_app: Callable[..., Flask],
+    pgbouncer: PgBouncer,
+    db: DB,
+    key: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, "flask_idempotency"):
+        app = make_app(database_url=pgbouncer.url, IDEMPOTENCY_PREPARED_STATEMENTS=False)
+        assert post(app.test_client(), "/payments", key).status_code == 201
+        assert post(app.test_client(), "/payments", f"{key}-2").status_code == 201
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("no owner lock")]
+    assert len(said) == 1 and "IDEMPOTENCY_OWNER_DATABASE_URL" in said[0]
+    row = db.execute("SELECT owner_id FROM idempotency_keys WHERE key = %s", [key]).fetchone()
+    assert row == (None,)
