@@ -9,6 +9,7 @@ the pinned transaction of a ``transactional=True`` view. Runs in Flask's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -39,6 +40,11 @@ from .store.pool import is_driver_outage
 from .store.postgres import HeldTransaction
 
 logger = logging.getLogger("flask_idempotency")
+
+#: what ends the process under a view rather than fails the view: gunicorn raises SystemExit
+#: from its signal handlers, at its worker timeout (SIGABRT) and quick shutdown (SIGINT,
+#: SIGQUIT), in whatever the view was doing
+PROCESS_ENDING = (SystemExit, KeyboardInterrupt)
 
 #: an HTTP header name (RFC 9110 token)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -92,11 +98,45 @@ def after_request(response: Response) -> Response:
 def teardown_request(exc: BaseException | None) -> None:
     """Reached with the claim still open only when no response went through
     ``after_request``: the exception propagated (``PROPAGATE_EXCEPTIONS``, testing)
-    or another hook failed. The exception policy applies, with Flask's default 500."""
+    or another hook failed. The exception policy applies, with Flask's default 500;
+    but the process ending under the view (:data:`PROCESS_ENDING`) is no failure of the
+    view: its claim is left to the process's death (:func:`_left_to_death`)."""
     claim = pop_claim()
-    if claim is not None and claim.protected:
-        claim.exception = claim.exception or exc or RuntimeError("no response was produced")
-        finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
+    if claim is None or not claim.protected:
+        return
+    if isinstance(exc, PROCESS_ENDING):
+        _left_to_death(claim, exc)
+        return
+    claim.exception = claim.exception or exc or RuntimeError("no response was produced")
+    finish(claim, InternalServerError().get_response())  # type: ignore[arg-type]
+
+
+def _left_to_death(claim: ClaimedKey, exc: BaseException) -> None:
+    """The process ends under the view: nothing is stored, as after ``kill -9``. The claim
+    stays in ``processing``, no longer renewed: the owner lock frees it when the process
+    is gone (or its lease, should the process live on), and the next request acts on it by
+    the route's ``on_abandoned`` (SPEC §20). A transactional view's claim and writes roll
+    back with its transaction."""
+    logger.warning(
+        "decision=abandoned %s: %s under the view, the process is ending; nothing is stored",
+        _fields(claim),
+        type(exc).__name__,
+    )
+    if claim.pinned is not None:
+        with contextlib.suppress(StoreError):  # a transaction not ended dies with its session
+            claim.pinned.roll_back()
+        return
+    owner = claim.store.owner
+    if owner is not None:
+        outcome = claim.outcome
+        owner.let_go(
+            {
+                "tenant": claim.tenant,
+                "key": claim.key,
+                "attempt": outcome.attempt,
+                "generation": outcome.generation,
+            }
+        )
 
 
 def finish(claim: ClaimedKey, response: Response) -> Response:

@@ -41,11 +41,18 @@ def start_fault_server(
     worker_class: str,
     preload: bool,
     on_abandoned: str,
+    owner_lock: bool = True,
 ) -> GunicornServer:
     create_tables(database_url)
     return start_gunicorn(
         APP,
-        env=environment(database_url, database_url, lease=LEASE, on_abandoned=on_abandoned),
+        env=environment(
+            database_url,
+            database_url,
+            lease=LEASE,
+            on_abandoned=on_abandoned,
+            owner_lock=owner_lock,
+        ),
         workers=3,
         worker_class=worker_class,
         threads=4 if worker_class == "gthread" else 1,
@@ -123,7 +130,11 @@ def test_worker_killed_mid_view(
     preload: bool,
     on_abandoned: str,
 ) -> None:
-    server = start_fault_server(start_gunicorn, database_url, worker_class, preload, on_abandoned)
+    # leases alone (SPEC §20: no owner lock, as behind a transaction pooler): the key waits
+    # for its lease; with the owner lock, tests/e2e/test_owner_lock.py (at once)
+    server = start_fault_server(
+        start_gunicorn, database_url, worker_class, preload, on_abandoned, owner_lock=False
+    )
     workers_before = server.wait_for_workers()
     tenant, key = f"kill-{uuid.uuid4()}", "order-1"
 
@@ -189,7 +200,10 @@ def test_zombie_attempt_cannot_overwrite_its_successor(
     worker_class: str,
     preload: bool,
 ) -> None:
-    server = start_fault_server(start_gunicorn, database_url, worker_class, preload, "retry")
+    # a silent owner (leases alone): nothing renews the held attempt's lease
+    server = start_fault_server(
+        start_gunicorn, database_url, worker_class, preload, "retry", owner_lock=False
+    )
     tenant, key = f"zombie-{uuid.uuid4()}", "order-1"
 
     with held_request(db, server.port, key, tenant) as (first, open_gate):
