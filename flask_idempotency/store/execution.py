@@ -238,7 +238,11 @@ class Execution:
         wanted = {**connection_parameters(self.settings), "application_name": OWNER_APPLICATION}
         in_url = psycopg.conninfo.conninfo_to_dict(url)
         params = {name: value for name, value in wanted.items() if name not in in_url}
-        return BoundedConnection.connect(url, prepare_threshold=None, **params)
+        conn = BoundedConnection.connect(url, prepare_threshold=None, **params)
+        # read committed whatever the role's default: the open transaction then holds no
+        # snapshot between statements, so it holds back no vacuum
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        return conn
 
     @property
     def conninfo(self) -> str:

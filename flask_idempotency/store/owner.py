@@ -60,15 +60,13 @@ _RECONNECT_SECONDS = 0.2
 APPLICATION_NAME = "flask-idempotency owner"
 
 # In the lock's own transaction, left open (SET LOCAL: gone with it): no idle-in-transaction
-# timeout of the server's configuration ends it, and the server itself probes the session's
-# socket (by default the kernel's two hours), so that a host that vanished (a power cut, a
-# lost network) frees its owner locks in about 15 s, not hours.
+# or transaction timeout of the server's configuration ends it (transaction_timeout exists
+# from PostgreSQL 17). The server's TCP keepalives are left as they are: a host cut off from
+# the server is silence, which the lease bounds, never a death (SPEC §20).
 NO_IDLE_TIMEOUT = """
 SELECT set_config('idle_in_transaction_session_timeout', '0', true),
-       set_config('tcp_keepalives_idle', '5', true),
-       set_config('tcp_keepalives_interval', '2', true),
-       set_config('tcp_keepalives_count', '3', true),
-       set_config('tcp_user_timeout', '10000', true)
+       (SELECT set_config('transaction_timeout', '0', true)
+        WHERE current_setting('server_version_num')::integer >= 170000)
 """
 TAKE_LOCK = "SELECT pg_try_advisory_xact_lock(%(owner)s::bigint)"
 
