@@ -81,6 +81,14 @@ SELECT EXISTS (
 )
 """
 
+# The last statement of the lock's open transaction, sent without parameters (psycopg uses
+# the simple query protocol then), so that it drops the unnamed portal of LOCK_IS_MINE: a
+# statement sent with parameters leaves its portal open until the next one, and with it its
+# snapshot, so the session would keep its xmin for as long as the process lives, holding back
+# vacuum on every table and making every CREATE INDEX CONCURRENTLY (an online upgrade's
+# indexes) wait for the process to end.
+DROP_PORTAL = "SELECT 1"
+
 
 class AnswerKept(StoreError):
     """The end of a claim could not be stored within its bound; the owner keeps it and
@@ -274,6 +282,7 @@ class Owner:
             time.sleep(0.05)
         with bounded(conn, self._timeout):
             mine = conn.execute(LOCK_IS_MINE, params, prepare=False).fetchone()
+            conn.execute(DROP_PORTAL, prepare=False)
         if not (mine and mine[0]):
             self.usable = False
             logger.warning(

@@ -23,13 +23,15 @@ import pytest
 from flask import Flask
 from psycopg import sql
 
-from flask_idempotency.store.ddl import INDEXES, RETIRED_INDEXES
+from flask_idempotency.fingerprint import fingerprint
+from flask_idempotency.store.ddl import INDEXES, RETIRED_INDEXES, UPGRADE_COLUMNS
 from flask_idempotency.testing.postgres import PostgresServer
 from tests.apps.e2e_app import create_tables, environment
 from tests.apps.ops_app import create_orders_table
 from tests.support.gunicorn_server import ROOT, GunicornServer, Response, post, race, wait_until
 from tests.support.helpers import DB, count, lease_over
-from tests.support.old_tables import create_old_table
+from tests.support.helpers import post as post_to
+from tests.support.old_tables import ROWS, columns, create_fe789f9_table, create_old_table
 
 APP = "tests.apps.ops_app:create_app()"
 LEASE = 2  # seconds: the claims of these tests are abandoned soon
@@ -288,6 +290,138 @@ def test_a_first_request_is_served_while_the_indexes_build(
     assert all(
         f"{table}_{suffix}" in indexes for suffix in RETIRED_INDEXES if suffix != "complete_idx"
     )
+    db.execute(
+        sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
+    )
+
+
+# -- flask idempotency-init upgrades the table of the release users run -------------------------
+
+#: the columns of the owner lock (SPEC §20), which fe789f9's table lacks
+OWNER_COLUMNS = {name for name, _ in UPGRADE_COLUMNS if name.startswith("owner_")}
+
+
+def fe789f9_writes(database_url: str, table: str) -> tuple[Callable[[], None], list[float]]:
+    """What fe789f9 keeps doing to its table meanwhile, in a thread started at once: its
+    claims (INSERTs naming its own columns) and its finishes (UPDATEs). A function that stops
+    it (and raises what it raised), and each statement's latency."""
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+    stopping = threading.Event()
+    name = sql.Identifier(table)
+    claim = sql.SQL(
+        "INSERT INTO {} (tenant, key, fingerprint, status, attempt, generation, locked_until,"
+        " expires_at, on_abandoned, ttl_seconds) VALUES ('t', %s, '\\x00', 'processing', 1,"
+        " 1, now() + interval '1 minute', now() + interval '1 day', 'retry', 86400)"
+    ).format(name)
+    finish = sql.SQL(
+        "UPDATE {} SET status = 'completed', updated_at = now(), locked_until = NULL"
+        " WHERE tenant = 't' AND key = %s AND attempt = 1"
+    ).format(name)
+
+    def write() -> None:
+        try:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                n = 0
+                while not stopping.is_set():
+                    for statement in (claim, finish):
+                        started = time.monotonic()
+                        conn.execute(statement, (f"during-{n}",))
+                        latencies.append(time.monotonic() - started)
+                    n += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    wait_until(lambda: len(latencies) > 10, 10, "fe789f9's writes")
+
+    def stop() -> None:
+        stopping.set()
+        thread.join(10)
+        assert not errors, errors
+
+    return stop, latencies
+
+
+def fe789f9_rows(db: DB, table: str) -> tuple[int, str, int]:
+    """(rows, a digest of their columns as fe789f9 wrote them, rows with an owner recorded)."""
+    row = db.execute(
+        sql.SQL(
+            "SELECT count(*), md5(string_agg(concat_ws('|', tenant, key, status, attempt,"
+            " generation, locked_until, response_body, expires_at, reconcile_due_at,"
+            " on_abandoned), ',' ORDER BY tenant, key)),"
+            " count(*) FILTER (WHERE to_jsonb(k) ?| array['owner_id', 'owner_claim']"
+            "   AND (to_jsonb(k) ->> 'owner_id' IS NOT NULL"
+            "        OR to_jsonb(k) ->> 'owner_claim' IS NOT NULL))"
+            " FROM {} AS k WHERE left(key, 3) = 'fe-'"
+        ).format(sql.Identifier(table))
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), str(row[1]), int(row[2])
+
+
+def test_init_adds_the_owner_columns_to_a_populated_fe789f9_table_online(
+    make_app: Callable[..., Flask], db: DB, database_url: str
+) -> None:
+    """The table of fe789f9 (the release before the owner lock, SPEC §20), ROWS keys:
+    ``flask idempotency-init``, started as a fresh process as a deploy starts it, adds the
+    owner columns while that release keeps claiming and finishing (none of its statements
+    waits long); its rows are kept and served: a completed key replays, and its claims in
+    flight, which record no owner, are judged by their lease (409 while it runs, taken over
+    once it ran out)."""
+    table = f"fe789f9_{uuid.uuid4().hex[:8]}"
+    create_fe789f9_table(db, table)
+    assert not OWNER_COLUMNS & columns(db, table)
+    before = fe789f9_rows(db, table)
+    assert before[0] == ROWS
+
+    stop, latencies = fe789f9_writes(database_url, table)
+    try:
+        env = environment(database_url, database_url, table=table, jobs_table=f"{table}_jobs")
+        init = flask_cli(env, "idempotency-init")
+    finally:
+        stop()
+    output = init.stdout + init.stderr
+    assert init.returncode == 0, output
+    assert f"upgraded table {table}" in output and "columns" in output, output
+    assert OWNER_COLUMNS <= columns(db, table)
+    print(f"fe789f9's writes during the upgrade: {len(latencies)}, max {max(latencies):.3f} s")
+    assert max(latencies) < 1.0
+    assert fe789f9_rows(db, table) == before  # every row kept as it was, no owner recorded
+
+    # served by this release: keys of the empty tenant (the test app's) with its fingerprint
+    completed, leased, lapsed = "fe-4", "fe-3", "fe-7"  # completed, processing, processing
+    db.execute(
+        sql.SQL(
+            "UPDATE {} SET tenant = '', fingerprint = %s,"
+            " locked_until = CASE WHEN key = %s THEN now() ELSE locked_until END"
+            " WHERE key = ANY(%s)"
+        ).format(sql.Identifier(table)),
+        (
+            fingerprint("POST", "/payments", "application/json", b'{"amount": 100}'),
+            lapsed,  # its lease ran out: fe789f9's worker died an hour ago
+            [completed, leased, lapsed],
+        ),
+    )
+    client = make_app(IDEMPOTENCY_TABLE=table, IDEMPOTENCY_JOBS_TABLE=f"{table}_jobs").test_client()
+    replay = post_to(client, "/payments", completed)
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.data == b"old body"
+    in_flight = post_to(client, "/payments", leased)
+    assert in_flight.status_code == 409, in_flight.data
+    assert in_flight.get_json()["type"].endswith("request-in-progress"), in_flight.data
+    taken_over = post_to(client, "/payments", lapsed)
+    assert taken_over.status_code == 201, taken_over.data
+    assert "Idempotent-Replayed" not in taken_over.headers
+    assert taken_over.get_json()["attempt"] == 2
+    states = db.execute(
+        sql.SQL("SELECT key, status, attempt FROM {} WHERE key = ANY(%s) ORDER BY key").format(
+            sql.Identifier(table)
+        ),
+        ([completed, leased, lapsed],),
+    ).fetchall()
+    assert states == [("fe-3", "processing", 1), ("fe-4", "completed", 1), ("fe-7", "completed", 2)]
     db.execute(
         sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
     )

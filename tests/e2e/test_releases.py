@@ -711,11 +711,12 @@ def make_unknown(db: DB, pairs: list[tuple[Serving, Serving]], findings: Finding
     return marked
 
 
-def unknown_gauge(serving: Serving) -> float | str:
-    """The ``idempotency_stuck_keys{state="unknown"}`` gauge a worker of *serving* reports,
-    or what it answered instead."""
+def stuck_gauge(serving: Serving, state: str) -> float | str:
+    """The ``idempotency_stuck_keys{state=...}`` gauge of *state* (``unknown``,
+    ``dead_owner``) a worker of *serving* reports, or what it answered instead."""
     status, body = get(serving.port, "/metrics")
-    match = re.search(rb'^idempotency_stuck_keys\{state="unknown"\} (\S+)$', body, re.M)
+    line = rb'^idempotency_stuck_keys\{state="%s"\} (\S+)$' % re.escape(state.encode())
+    match = re.search(line, body, re.M)
     if status != 200 or match is None:
         return f"{status} without the gauge: {body[-300:]!r}"
     return float(match.group(1))
@@ -758,7 +759,7 @@ def count_and_reconcile(
             f"the new release's idempotency-list --status unknown misses {len(missing)} of"
             f" {len(expected)} unknown keys: {missing[:5]}"
         )
-    gauge = unknown_gauge(new)
+    gauge = stuck_gauge(new, "unknown")
     if gauge != len(expected):
         findings.add(
             f'the new release\'s idempotency_stuck_keys{{state="unknown"}} is {gauge},'
@@ -1137,6 +1138,7 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
     first claimed by the old release and taken over by the new one (its takeover's owner),
     each then taken over by the old release after the new one's owner was killed."""
     s, findings = scenario, scenario.findings
+    tenant = {"X-Tenant": OWNER_TENANT}
     with psycopg.connect(s.url, autocommit=True) as db:
         new = s.serve(s.new, workers=2, lease=str(OWNER_LEASE))
         first = post(new.port, "/pay", f"owner-first-{uuid.uuid4().hex[:8]}", {"amount": 1})
@@ -1170,7 +1172,7 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
         lease_runs_out(db, by_new)
         lease_runs_out(db, by_old)
         old_claims = [hold(db, old, by_new, 2), hold(db, old, by_old, 3)]
-        for claim, killed in zip(old_claims, (new_first, new_takeover)):
+        for claim, killed in zip(old_claims, (new_first, new_takeover), strict=True):
             row = owned(db, claim.key)
             # what the scenario is about: the killed owner is still recorded, its lock is
             # free, the claim in flight is the old release's, in its lease
@@ -1180,9 +1182,7 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
         findings.step("retries while the old release's claims run")
         for claim in old_claims:
             for serving in (new, old, new):
-                answer = post(
-                    serving.port, "/pay", claim.key, {"amount": 1}, headers={"X-Tenant": "o"}
-                )
+                answer = post(serving.port, "/pay", claim.key, {"amount": 1}, headers=tenant)
                 kind = problem_kind(answer.status, answer.headers, answer.body)
                 if (answer.status, kind) != (409, "request-in-progress"):
                     findings.add(
@@ -1193,6 +1193,12 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
                     )
             if owned(db, claim.key).attempt != claim.attempt:
                 findings.add(f"{claim.key} was taken over: {owned(db, claim.key)}")
+        dead_owner = stuck_gauge(new, "dead_owner")
+        if dead_owner != 0:
+            findings.add(
+                f'the new release\'s idempotency_stuck_keys{{state="dead_owner"}} is {dead_owner}'
+                " while the old release's claims run (their recorded owner is not theirs)"
+            )
 
         findings.step("the old release answers; both replay it")
         for claim in old_claims:
@@ -1201,9 +1207,7 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
                 findings.add(f"attempt {claim.attempt} of {claim.key} answered {answer!r}")
                 continue
             for serving in (new, old):
-                replay = post(
-                    serving.port, "/pay", claim.key, {"amount": 1}, headers={"X-Tenant": "o"}
-                )
+                replay = post(serving.port, "/pay", claim.key, {"amount": 1}, headers=tenant)
                 if (replay.status, replay.replayed, replay.body) != (201, True, answer.body):
                     findings.add(
                         f"the retry of {claim.key} through {serving.label} after the old"

@@ -9,7 +9,7 @@ from typing import Any
 from flask import Flask
 from psycopg import sql
 
-from tests.support import schema_0_1_0
+from tests.support import schema_0_1_0, schema_fe789f9
 from tests.support.helpers import DB
 
 ROWS = 50_000
@@ -38,6 +38,27 @@ def create_old_table(db: DB, table: str) -> None:
             " FROM generate_series(1, %s) AS i"
         ).format(names["table"]),
         (ROWS,),
+    )
+
+
+def create_fe789f9_table(db: DB, table: str) -> None:
+    """The table (and its jobs table) as release fe789f9 made it, the last one without the
+    owner columns (SPEC §20), with ROWS keys of every status (see
+    :data:`tests.support.schema_fe789f9.ROWS`)."""
+    names = {
+        suffix: sql.Identifier(f"{table}_{suffix}")
+        for suffix in ("expiry_idx", "unknown_due_idx", "pending_idx", "created_idx")
+    }
+    db.execute(sql.SQL(schema_fe789f9.KEYS).format(table=sql.Identifier(table), **names))
+    db.execute(
+        sql.SQL(schema_fe789f9.JOBS).format(
+            jobs=sql.Identifier(f"{table}_jobs"),
+            jobs_due_idx=sql.Identifier(f"{table}_jobs_due_idx"),
+            jobs_order_idx=sql.Identifier(f"{table}_jobs_order_idx"),
+        )
+    )
+    db.execute(
+        sql.SQL(schema_fe789f9.ROWS).format(table=sql.Identifier(table), rows=sql.Literal(ROWS))
     )
 
 
