@@ -341,3 +341,29 @@ def test_run_once_takes_a_dead_consumers_claim_over_at_once(
         started = time.monotonic()
         assert alive.extensions["idempotency"].extension.run_once(key, effect) == 2
         assert time.monotonic() - started < GRACE_SECONDS + 1.5
+
+
+def test_a_dead_completers_reservation_is_taken_up_at_once(
+    make_completer_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    from datetime import timedelta
+
+    dead, completer = make_completer_app(), make_completer_app()
+    failed = dead.test_client().post(
+        "/shop/orders",
+        json={"amount": 250},
+        headers={"Idempotency-Key": key, "X-Tenant": "acme", "X-Fail-At": "after_created"},
+    )
+    assert failed.status_code == 500  # retryable, its request kept for the completer
+    with dead.app_context():
+        reserved = get_state(dead).batches.due_for_completion(
+            timedelta(0), 100, timedelta(minutes=10), ("acme", key)
+        )
+    assert [row.key for row in reserved] == [key]  # held for ten minutes by this completer
+    live = completer.test_cli_runner().invoke(args=["idempotency-complete", "--older-than", "0"])
+    assert f"key='{key}'" not in live.output  # a live completer's reservation is respected
+    owner_of(dead).stop()  # ... which dies
+    result = completer.test_cli_runner().invoke(args=["idempotency-complete", "--older-than", "0"])
+    assert result.exit_code == 0, result.output
+    assert f"completed tenant='acme' key='{key}'" in result.output
+    assert owner_row(db, key)[0] == "completed"
