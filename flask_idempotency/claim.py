@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 
 _G_NAME = "_idempotency_claim"
 
+#: what ends the process under a claimed view or ``run_once`` rather than fails it: gunicorn
+#: raises SystemExit from its signal handlers, at its worker timeout (SIGABRT) and quick
+#: shutdown (SIGINT, SIGQUIT), in whatever the view was doing; a worker's warm shutdown too.
+#: Nothing is stored: the claim is left to the owner's death (SPEC §20).
+PROCESS_ENDING = (SystemExit, KeyboardInterrupt)
+
 
 class ClaimedKey:
     """The idempotency key held by the running view, as ``current_idempotency``."""

@@ -21,7 +21,7 @@ from flask import current_app
 
 from . import tracing
 from .answers import decision_signals
-from .claim import ClaimedKey, finish_attempt, peek_claim, pop_claim, set_claim
+from .claim import PROCESS_ENDING, ClaimedKey, finish_attempt, peek_claim, pop_claim, set_claim
 from .config import RouteSettings, convert_option
 from .errors import (
     ConfigError,
@@ -224,6 +224,15 @@ def _run(
     with _claimed(claim):
         try:
             result = fn(*args, **kwargs)
+        except PROCESS_ENDING:
+            logger.warning(
+                "decision=abandoned key=%r attempt=%r: the process is ending under fn;"
+                " nothing is stored",
+                claim.key,
+                claim.attempt,
+            )
+            claim.store.leave_to_death(claim.tenant, claim.key, claim.outcome)
+            raise
         except BaseException as exc:
             claim.exception = exc
             status = _failure_status(settings)

@@ -22,7 +22,14 @@ from werkzeug.http import http_date
 
 from . import signals, tracing
 from .answers import EXPIRES_HEADER
-from .claim import ClaimedKey, finish_attempt, forget_attempt, peek_claim, pop_claim
+from .claim import (
+    PROCESS_ENDING,
+    ClaimedKey,
+    finish_attempt,
+    forget_attempt,
+    peek_claim,
+    pop_claim,
+)
 from .config import RouteSettings
 from .errors import (
     EncryptionError,
@@ -40,11 +47,6 @@ from .store.pool import is_driver_outage
 from .store.postgres import HeldTransaction
 
 logger = logging.getLogger("flask_idempotency")
-
-#: what ends the process under a view rather than fails the view: gunicorn raises SystemExit
-#: from its signal handlers, at its worker timeout (SIGABRT) and quick shutdown (SIGINT,
-#: SIGQUIT), in whatever the view was doing
-PROCESS_ENDING = (SystemExit, KeyboardInterrupt)
 
 #: an HTTP header name (RFC 9110 token)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -126,17 +128,7 @@ def _left_to_death(claim: ClaimedKey, exc: BaseException) -> None:
         with contextlib.suppress(StoreError):  # a transaction not ended dies with its session
             claim.pinned.roll_back()
         return
-    owner = claim.store.owner
-    if owner is not None:
-        outcome = claim.outcome
-        owner.let_go(
-            {
-                "tenant": claim.tenant,
-                "key": claim.key,
-                "attempt": outcome.attempt,
-                "generation": outcome.generation,
-            }
-        )
+    claim.store.leave_to_death(claim.tenant, claim.key, claim.outcome)
 
 
 def finish(claim: ClaimedKey, response: Response) -> Response:

@@ -176,6 +176,14 @@ class PostgresStore(Execution):
         if owner is not None and owner.pid == os.getpid():
             owner.hold(_fence(tenant, key, outcome), lease)
 
+    def leave_to_death(self, tenant: str, key: str, outcome: ClaimOutcome) -> None:
+        """The process ends under the claim *outcome* (``SystemExit``: gunicorn's worker
+        timeout, a shutdown): nothing is stored and the owner stops renewing it, so the
+        owner lock frees it when the process is gone (or its lease, should it live on)."""
+        owner = self._owner
+        if owner is not None and owner.pid == os.getpid():
+            owner.let_go(_fence(tenant, key, outcome))
+
     def claim_pinned(
         self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None
     ) -> PinnedClaim:

@@ -367,3 +367,24 @@ def test_a_dead_completers_reservation_is_taken_up_at_once(
     assert result.exit_code == 0, result.output
     assert f"completed tenant='acme' key='{key}'" in result.output
     assert owner_row(db, key)[0] == "completed"
+
+
+def test_a_process_ending_under_run_once_stores_nothing_and_leaves_the_claim_to_its_death(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    from flask_idempotency import current_idempotency
+
+    dying, alive = make_app(), make_app()
+
+    def effect() -> int:
+        if current_idempotency.attempt == 1:
+            raise SystemExit(1)  # a worker's shutdown under fn
+        return current_idempotency.attempt
+
+    with dying.app_context(), pytest.raises(SystemExit):
+        dying.extensions["idempotency"].extension.run_once(key, effect)
+    assert owner_row(db, key)[:2] == ("processing", 1)  # no failure stored
+    assert owner_of(dying).kept == 0 and not owner_of(dying)._held  # nor renewed
+    owner_of(dying).stop()
+    with alive.app_context():
+        assert alive.extensions["idempotency"].extension.run_once(key, effect) == 2
