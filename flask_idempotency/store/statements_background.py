@@ -14,25 +14,25 @@ from __future__ import annotations
 # One batch of keys whose client evidently gave up: claims of complete=True routes
 # abandoned past their lease, and retryable ones, untouched for longer than
 # older_than. The batch reserves them (locked_until: a lease held by this completer,
-# the fence of its takeover), so completers on several hosts take disjoint batches; a
-# client retry of a retryable key still wins at once. updated_at marks them looked at:
-# a key that had to be skipped waits behind the others until older_than passes again.
+# the fence of its takeover, and its owner: a dead completer's keys are due again at once),
+# so completers on several hosts take disjoint batches; a client retry of a retryable key
+# still wins at once. A key that had to be skipped is marked looked at (UNRESERVE sets
+# updated_at): it waits behind the others until older_than passes again.
 DUE_FOR_COMPLETION = """
 WITH due AS (
     SELECT tenant, key FROM {table}
     WHERE request IS NOT NULL
       AND (status = 'retryable' AND expires_at > now() OR status = 'processing')
-      AND ((updated_at <= now() - %(older_than)s OR {deferred})
-               AND coalesce(locked_until, '-infinity') <= now()
-           -- held by a dead owner (a request's worker, or a completer that reserved it):
-           -- nobody works on it, at once
-           OR {dead_owner})
+      AND (updated_at <= now() - %(older_than)s OR {deferred})
+      -- its lease over, or held by a dead owner (a request's worker, or a completer that
+      -- reserved it: the reservation leaves updated_at, so its keys are due again at once)
+      AND (coalesce(locked_until, '-infinity') <= now() OR {dead_owner})
       AND (%(only_key)s::text IS NULL OR (tenant, key) = (%(only_tenant)s, %(only_key)s))
     ORDER BY updated_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS k SET updated_at = now(), locked_until = now() + %(hold)s,
+UPDATE {table} AS k SET locked_until = now() + %(hold)s,
     owner_id = %(owner)s, owner_claim = k.generation + k.attempt,
     owner_host = %(owner_host)s, owner_pid = %(owner_pid)s
 FROM due WHERE k.tenant = due.tenant AND k.key = due.key
@@ -71,7 +71,8 @@ RETURNING attempt, generation, recovery_point
 # lease, an abandoned claim's lease is over).
 UNRESERVE = """
 UPDATE {table}
-SET locked_until = CASE WHEN status = 'processing' THEN now() END
+SET locked_until = CASE WHEN status = 'processing' THEN now() END, updated_at = now(),
+    owner_id = NULL, owner_claim = NULL
 WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s
   AND (attempt, generation) = (%(attempt)s, %(generation)s)
 """
