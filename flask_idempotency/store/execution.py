@@ -409,10 +409,13 @@ class Execution:
         *,
         prepare: bool | None = None,
         commit: bool = False,
+        patient: bool = False,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
         its first row, if any. With *commit*, *pinned*'s transaction commits in the
-        same round trip.
+        same round trip. *patient* (the end of a claim, whose answer was given): a pool
+        that had no connection to give is asked again for the rest of the bound, where
+        a request still deciding answers 503 after one pool wait.
 
         Every statement the package sends comes through here or :meth:`fetch`: the
         pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
@@ -424,7 +427,7 @@ class Execution:
         :raises StoreError: the store failed.
         """
         runner = functools.partial(execute, commit=True) if commit else execute
-        return self._attempt(runner, query, params, pinned, prepare)
+        return self._attempt(runner, query, params, pinned, prepare, patient)
 
     def fetch(
         self,
@@ -447,6 +450,7 @@ class Execution:
         params: dict[str, Any],
         pinned: HeldTransaction | None,
         prepare: bool | None,
+        patient: bool = False,
     ) -> _T:
         """Run *query*; on a pooled connection, again where that is known to be safe:
         once after a failure that ran nothing (:meth:`_recoverable`), and on another
@@ -470,9 +474,10 @@ class Execution:
                     recovered = True
                     continue
                 timeout = deadline - time.monotonic()
-                # a pool that had no connection to give waited one pool timeout: the
+                # a pool that had no connection to give waited one pool timeout: a patient
                 # statement still has the rest of its bound (SPEC §20)
-                lost = is_connection_lost(exc.__cause__) or isinstance(exc.__cause__, PoolTimeout)
+                waited = patient and isinstance(exc.__cause__, PoolTimeout)
+                lost = is_connection_lost(exc.__cause__) or waited
                 if timeout <= 0 or not lost:
                     raise
                 logger.warning("a connection died under a statement (%s): sending it again", exc)

@@ -255,7 +255,7 @@ class PostgresStore(Execution):
             params.update(job_params(jobs))
         statement = self._finishes[notify, bool(jobs)]
         with self._kept_on_failure(statement, params, pinned):
-            rowcount, row = self.run(statement, params, pinned, commit=commit)
+            rowcount, row = self.run(statement, params, pinned, commit=commit, patient=True)
             if rowcount == 1 and row is not None:
                 return typing.cast(datetime, row[1])
             if pinned is None and status is KeyStatus.COMPLETED:
@@ -300,7 +300,7 @@ class PostgresStore(Execution):
         }
         statement = self._forgets[notify]
         with self._kept_on_failure(statement, params, None):
-            rowcount, _ = self.run(statement, params)
+            rowcount, _ = self.run(statement, params, patient=True)
         return rowcount == 1
 
     def notify(self, tenant: str, key: str) -> None:
