@@ -436,3 +436,52 @@ def test_a_postgres_restart_never_lets_a_running_view_be_taken_over(
     with psycopg.connect(store_url, autocommit=True) as store:
         assert claim_of(store, key)[:2] == ("completed", 1)
     assert_replays(server.port, "/retry", key, answer)
+
+
+def test_the_client_with_its_defaults_gets_through_a_workers_death(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    """SPEC §20: the client's defaults (``max_elapsed=30``, ``backoff=0.5``) and the
+    server's answers fit: a worker killed under the request, the client retries the same
+    key and gets the view's fresh run (attempt 2) well within its budget."""
+    import requests
+
+    from flask_idempotency.client import IdempotentAdapter
+
+    server = serve(start_gunicorn, database_url, database_url)
+    key = f"client-{uuid.uuid4()}"
+    gate = f"gate-{uuid.uuid4()}"
+    db.execute("INSERT INTO e2e_gates (name) VALUES (%s)", (gate,))
+    session = requests.Session()
+    session.mount("http://", IdempotentAdapter())
+    answers: list[Any] = []
+
+    def call() -> None:
+        answers.append(
+            session.post(
+                f"http://127.0.0.1:{server.port}/retry",
+                json={"amount": 100},
+                headers={"Idempotency-Key": key, "X-Gate": gate},
+                timeout=60,
+            )
+        )
+
+    client = threading.Thread(target=call)
+    client.start()
+    try:
+        [(attempt, victim)] = wait_until(lambda: runs(db, key), 30, "the view to start")
+        assert attempt == 1
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        db.execute("UPDATE e2e_gates SET open = true WHERE name = %s", (gate,))
+        client.join(40)
+        took = time.monotonic() - killed
+    finally:
+        db.execute("UPDATE e2e_gates SET open = true WHERE name = %s", (gate,))
+        client.join(60)
+    [answer] = answers
+    print(f"kill -9 to the client's answer: {took:.2f} s")
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["attempt"] == 2
+    assert took < 5.0  # one back-off (at most 0.5 s) and the grace, not the 60 s lease
+    assert [a for a, _ in runs(db, key)] == [1, 2]
