@@ -109,7 +109,7 @@ class Batches:
             "only_tenant": only[0] if only else None,
             "only_key": only[1] if only else None,
             "gone_owners": self.store.dead_owners(self._owners_of_pending),
-            **self.store.owner_params(),
+            **self.store.owner_mark().params(),
         }
         return records(DueKey, self.store.fetch(self._due_for_completion, params))
 
@@ -138,7 +138,7 @@ class Batches:
             ttl=ttl,
             on_abandoned=on_abandoned,
             lock_id=lock_id(fence[0], fence[1]),
-            **self.store.owner_params(),
+            **self.store.owner_mark().params(),
         )
         taken = record_of(Taken, self.store.fetch(self._take_over, params, pinned))
         if taken is not None and pinned is None:
@@ -170,7 +170,7 @@ class Batches:
             "limit": limit,
             "hold": hold,
             "gone_owners": self.store.dead_owners(self._owners_of_unknown),
-            **self.store.owner_params(),
+            **self.store.owner_mark().params(),
         }
         return records(UnknownDue, self.store.fetch(self._due_for_reconcile, params))
 

@@ -31,7 +31,7 @@ from ..config import Settings
 from ..errors import StoreError
 from .conninfo import check_conninfo
 from .owner import APPLICATION_NAME as OWNER_APPLICATION
-from .owner import GRACE_SECONDS, Owner
+from .owner import GRACE_SECONDS, Owner, OwnerMark
 from .pool import (
     BoundedConnection,
     bounded,
@@ -204,19 +204,15 @@ class Execution:
                 )
             return self._owner
 
-    def owner_params(self) -> dict[str, Any]:
+    def owner_mark(self) -> OwnerMark:
         """What a claim or a reservation records of its owner (SPEC §20): the owner id
         while its lock is held (None: judged by the lease alone), its host and pid. The
         process's first one waits a moment for the lock (within the slack of the request's
         bound, SPEC §13)."""
         owner = self.owner
         if owner is None:
-            return {"owner": None, "owner_host": None, "owner_pid": None}
-        return {
-            "owner": owner.current(wait=FIRST_OWNER_WAIT),
-            "owner_host": owner.host,
-            "owner_pid": owner.pid,
-        }
+            return OwnerMark(None, None, None)
+        return OwnerMark(owner.current(wait=FIRST_OWNER_WAIT), owner.host, owner.pid)
 
     def dead_owners(self, owners: Statement) -> list[int]:
         """The owners of what *owners* finds (their ids) whose lock is free, and still

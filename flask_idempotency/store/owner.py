@@ -90,6 +90,20 @@ SELECT EXISTS (
 DROP_PORTAL = "SELECT 1"
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnerMark:
+    """What a claim or a reservation records of its owner: the id (None: no owner lock
+    speaks for it), the host and the pid."""
+
+    owner: int | None
+    host: str | None
+    pid: int | None
+
+    def params(self) -> dict[str, Any]:
+        """As the statements' parameters ``owner``, ``owner_host``, ``owner_pid``."""
+        return {"owner": self.owner, "owner_host": self.host, "owner_pid": self.pid}
+
+
 class AnswerKept(StoreError):
     """The end of a claim could not be stored within its bound; the owner keeps it and
     stores it, fenced, as soon as the database answers."""

@@ -149,7 +149,7 @@ class PostgresStore(Execution):
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": terms.on_abandoned,
-            **self.owner_params(),
+            **self.owner_mark().params(),
             "gone_owner": gone_owner,
             **stored,
         }
