@@ -13,10 +13,14 @@ used:
 Each records its execution in ``e2e_executions`` (before its gate, so a test knows it runs),
 honours ``X-Gate`` and ``X-Delay`` as tests/apps/e2e_app.py does, and answers a body of its own
 (a uuid), so a replay that differs from the first answer shows.
+
+With ``OPS_LOG_DECISIONS=1`` in its environment it logs the extension's decisions at INFO on
+stderr (gunicorn's log), with the worker's pid: ``decision=stored_late`` is an INFO line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any
@@ -37,6 +41,9 @@ CREATE TABLE IF NOT EXISTS ops_orders (
 
 
 def create_app() -> Flask:
+    if os.environ.get("OPS_LOG_DECISIONS") == "1":
+        logging.basicConfig(format="%(asctime)s pid=%(process)d %(levelname)s %(message)s")
+        logging.getLogger("flask_idempotency").setLevel(logging.INFO)
     executions_url = os.environ["E2E_EXECUTIONS_URL"]
     app, idempotency = app_from_environment("ops_app")
 
