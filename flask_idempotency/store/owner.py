@@ -1,27 +1,28 @@
 """The owner lock (SPEC §20): PostgreSQL tells which process of a claim is alive.
 
-Each process that claims keys holds a session-level advisory lock of its own, its
-*owner id* (a random 63-bit number, new in every process), on one connection of its
-own while it serves, and every claim it makes records that id. A session's advisory
-locks end with the session, so when the process dies (``kill -9``, the OOM killer,
-gunicorn's worker timeout, a lost host) its lock is free at once, and a request that
-meets one of its claims in ``processing`` may act on it without waiting for the lease.
+Each process that claims keys holds an advisory lock of its own, its *owner id* (a random
+63-bit number, new in every process), taken in a transaction it leaves open on one
+connection of its own for as long as it serves, and every claim it makes records that id.
+The lock ends with the session, so when the process dies (``kill -9``, the OOM killer,
+gunicorn's worker timeout) its lock is free at once, and a request that meets one of its
+claims in ``processing`` may act on it without waiting for the lease.
 
-The lock's thread also keeps what the process owns alive:
+Two daemon threads per process:
 
-- it **renews the leases** of the claims in flight (:meth:`Owner.hold`), one statement
-  per lease third for all of them, so a view longer than ``IDEMPOTENCY_LEASE`` is never
-  taken over; the lease bounds only the owner's silence;
-- it **stores kept answers** (:meth:`Owner.keep`): a finish that could not be stored within
-  its bound is sent again, fenced, as soon as the database answers, the claim renewed
-  meanwhile, so the answer a client got is the one its retries replay.
+- the **lock's** holds it, and takes it again at once on a new connection when the session
+  ends under it (terminated, a restart, a failover);
+- the **renewals'** renews the leases of the claims in flight (:meth:`Owner.hold`), one
+  statement per lease third for all of them, so a view longer than ``IDEMPOTENCY_LEASE`` is
+  never taken over (the lease bounds only the owner's silence), and stores kept answers
+  (:meth:`Owner.keep`): a finish that could not be stored within its bound is sent again,
+  fenced, as soon as the database answers, so the answer a client got is the one its
+  retries replay. Both go through the store's one execution path.
 
-A free lock is not proof of death by itself: the owner's connection may have been
-terminated (``pg_terminate_backend``, a restart, a failover) while the process lives,
-and the thread takes its lock again as soon as it reconnects. So a request that finds
-the lock free looks again :data:`GRACE_SECONDS` later and acts only if it is still free
-(:mod:`.statements_request`), and a claim made before the server's current start is
-judged by its lease alone.
+A free lock is not proof of death by itself: the owner's session may have been terminated
+(``pg_terminate_backend``, a restart, a failover) while the process lives. So a request
+that finds the lock free looks again :data:`GRACE_SECONDS` later and acts only if it is
+still free (:mod:`.statements_request`), and a claim made before the server's current
+start is judged by its lease alone.
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ class Owner:
                         return
                     while not self._stopping.is_set():
                         _watch(conn, _TICK_SECONDS)
-            except psycopg.Error as exc:
+            except (psycopg.Error, OSError, ValueError) as exc:  # the socket ended under it
                 self._lost(exc)
             finally:
                 self._holding.clear()
