@@ -357,6 +357,12 @@ class Settings:
     #: of PostgreSQL itself lets a retry run the view again (docs: "Trade-offs you can
     #: opt into")
     synchronous_claim: bool = option(True, _bool)
+    #: serve only while the commits of the server the store writes to wait for a
+    #: synchronous standby (asked at each process's first claim, again every 2 s while
+    #: refused); else 503 with ``Retry-After`` and nothing runs. False: served, and a server
+    #: with standbys but none synchronous is said once in the log (docs: "Patroni and
+    #: managed HA")
+    require_sync_replication: bool = option(False, _bool)
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
     #: the keys' table, may be schema-qualified
@@ -457,6 +463,14 @@ def _check_together(settings: Settings, pool_given: bool) -> None:
         raise ConfigError(
             f"{config_key('pool_max_size')} ({settings.pool_max_size}) is below"
             f" {config_key('pool_min_size')} ({settings.pool_min_size})."
+        )
+    if settings.require_sync_replication and not (
+        settings.synchronous_claim and settings.synchronous_finish
+    ):
+        raise ConfigError(
+            f"{config_key('require_sync_replication')} is True, but"
+            f" {config_key('synchronous_claim')} or {config_key('synchronous_finish')} is"
+            " False: those commits would not wait for the standby. Set both True."
         )
     for name in ("table", "jobs_table", "audit_table", "heartbeats_table"):
         value = getattr(settings, name)

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
-from flask import Flask, current_app, got_request_exception
+from flask import Flask, current_app, got_request_exception, request
 from werkzeug.routing import Rule
 
 from . import settling, tracing
@@ -52,6 +52,8 @@ logger = logging.getLogger("flask_idempotency")
 #: RFC 9110 §9.2.1: a client may repeat these freely, so a key means nothing on them
 #: (and storing their answers for a day would serve stale reads)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+#: set on the views ``idempotent(transactional=True)`` returns
+TRANSACTIONAL_MARK = "_flask_idempotency_transactional"
 
 
 def _outage_answer(settings: RouteSettings, exc: StoreError) -> StoreError | ProblemError:
@@ -141,13 +143,17 @@ class Idempotency:
         check_app(app)
         _refuse_safe_methods(app)
         check_before_first_request(app)
+        orm = _orm_join(app, sqlalchemy)
+        if orm is None:
+            for endpoint, func in list(app.view_functions.items()):
+                _refuse_lost_orm_writes(app, endpoint, func)
         self._apps.add(app)
         app.extensions[EXTENSION_NAME] = IdempotencyState(
             self,
             settings,
             PostgresStore(settings, pool),
             database_url_read=app.config.get("IDEMPOTENCY_DATABASE_URL"),
-            orm=_orm_join(app, sqlalchemy),
+            orm=orm,
         )
         tracing.enable()  # spans when OpenTelemetry is installed (extra otel) and configured
         app.after_request(after_request)
@@ -266,6 +272,8 @@ class Idempotency:
                         " that is intended)"
                     )
                 settings = state.route_settings(overrides)
+                if transactional and state.orm is None:
+                    _refuse_lost_orm_writes(current_app, request.endpoint, wrapper)
                 # The extension's problems are answered here, never raised into Flask's
                 # error handling, where an app's handler for 400 or 422 (or APIFlask's
                 # for every HTTPException) would answer them its own way (SPEC §18).
@@ -284,6 +292,7 @@ class Idempotency:
                     raise answer from exc
 
             setattr(wrapper, WRAPPER_MARK, True)
+            setattr(wrapper, TRANSACTIONAL_MARK, transactional)
             # how the completer finds the route's options (functools.wraps carries it on)
             setattr(wrapper, ROUTE_ATTRIBUTE, overrides)
             mark_wrapped(view)
@@ -399,8 +408,12 @@ def _refuse_safe_methods(app: Flask) -> None:
         register(rule, endpoint, *args, **kwargs)
         for added in app.url_map.iter_rules():
             if added.rule == rule:
-                check_view(added.endpoint, app.view_functions.get(added.endpoint))
+                func = app.view_functions.get(added.endpoint)
+                check_view(added.endpoint, func)
                 _check_rule(app, added)
+                state = app.extensions.get(EXTENSION_NAME)
+                if state is not None and state.orm is None:
+                    _refuse_lost_orm_writes(app, added.endpoint, func)
 
     app.add_url_rule = add_url_rule  # type: ignore[method-assign]
 
@@ -419,6 +432,29 @@ def _check_rule(app: Flask, rule: Rule) -> None:
             " need no key. Register the idempotent view for POST, PUT, PATCH or DELETE"
             " only (a separate view for the reads)."
         )
+
+
+def _refuse_lost_orm_writes(app: Flask, endpoint: str | None, func: Any) -> None:
+    """Refuse *func*, registered for *endpoint*, if it is a ``transactional=True`` view in
+    an app that registered Flask-SQLAlchemy without passing it to the extension: the
+    view's ``db.session`` writes would commit on a connection of their own, outside the
+    key's transaction (or not at all), without a word.
+
+    Checked at ``init_app`` and when a route is added (once Flask-SQLAlchemy is
+    registered), and at each request of such a route (an app that registers
+    Flask-SQLAlchemy after its routes).
+
+    :raises ConfigError: naming the endpoint and ``sqlalchemy=db``.
+    """
+    if "sqlalchemy" not in app.extensions or not getattr(func, TRANSACTIONAL_MARK, False):
+        return
+    raise ConfigError(
+        f"the transactional=True view {endpoint!r} is in an app that registered"
+        " Flask-SQLAlchemy, but the extension was not given it: its db.session writes"
+        " would not be in the key's transaction (a retry replays the answer, the rows"
+        " may never exist). Pass it: Idempotency(app, sqlalchemy=db) or"
+        " idempotency.init_app(app, sqlalchemy=db)."
+    )
 
 
 def _orm_join(app: Flask, target: Any) -> Any:

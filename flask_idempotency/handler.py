@@ -10,6 +10,7 @@ end is :mod:`.ending`'s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -40,6 +41,7 @@ from .keys import check_key, load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
 from .rerun import current_rerun
 from .state import IdempotencyState
+from .store.pool import is_driver_outage, one_line
 from .store.postgres import HeldTransaction
 from .stored_request import StoredRequest, capture
 
@@ -105,18 +107,23 @@ def begin(
         if deferred is not None:
             return deferred
     if outcome.owns_key:
-        set_claim(
-            ClaimedKey(
-                identity.tenant,
-                identity.key,
-                outcome,
-                settings,
-                state.store,
-                pinned=claim.pinned,
-                trace=trace,
-            ),
-            state.orm,
+        claimed = ClaimedKey(
+            identity.tenant,
+            identity.key,
+            outcome,
+            settings,
+            state.store,
+            pinned=claim.pinned,
+            trace=trace,
         )
+        try:
+            set_claim(claimed, state.orm)
+        except Exception as exc:
+            lost = _orm_join_lost(claimed, exc)
+            if lost is None:
+                raise
+            _store_unavailable(state, settings, identity, transactional, lost)
+            return None
     waited = time.monotonic() - started
     return answer(settings, identity.tenant, identity.key, outcome, claim.claim_seconds, waited)
 
@@ -320,6 +327,25 @@ def _unreadable(settings: RouteSettings, tenant: str, key: str, exc: StoreError)
     raise settings.problem(
         StoreUnavailable, StoredAnswerUnreadable.client_detail, retry_after=True
     ) from exc
+
+
+def _orm_join_lost(claim: ClaimedKey, exc: Exception) -> StoreError | None:
+    """``db.session`` could not join a transactional claim's transaction: SQLAlchemy's
+    first use of the key's connection (its dialect's set-up queries) met a connection that
+    died under it (a restart, a terminated backend). The claim's transaction is rolled back
+    (nothing of it happened) and the request answers as a store outage, never a 500; None
+    for any other error (the app's bug: raised as it is)."""
+    driver_error = getattr(exc, "orig", exc)
+    if not is_driver_outage(driver_error):
+        return None
+    if claim.pinned is not None:
+        with contextlib.suppress(StoreError):
+            claim.pinned.roll_back()
+    return StoreError(
+        f"the key's transaction could not be joined: {one_line(driver_error)}",
+        outage=True,
+        fail_open=False,
+    )
 
 
 def _store_unavailable(

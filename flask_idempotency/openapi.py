@@ -49,6 +49,7 @@ from .errors import (
     RequestInProgress,
     StoreUnavailable,
 )
+from .keys import MAX_KEY_LENGTH
 from .rerun import ROUTE_ATTRIBUTE
 from .state import get_state
 
@@ -326,7 +327,12 @@ def _add_key_parameter(operation: dict[str, Any], settings: RouteSettings) -> No
             "in": "header",
             "required": settings.required,
             "description": description,
-            "schema": {"type": "string", "minLength": 1, "pattern": "^[!-~]+$"},
+            "schema": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_KEY_LENGTH,
+                "pattern": "^[!-~]+$",
+            },
         }
     )
 

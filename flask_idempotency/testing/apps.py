@@ -1,5 +1,5 @@
-"""The plugin's hold on the apps a test builds: their pools closed after it, and a
-store outage on demand.
+"""The plugin's hold on the apps a test builds: their pools (and Flask-SQLAlchemy's)
+closed after it, and a store outage on demand.
 
 Imported when a test uses the plugin, never when pytest loads it.
 """
@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from flask import Flask
-from psycopg.conninfo import conninfo_to_dict
 
 from .. import Idempotency
 from ..state import get_state
@@ -45,7 +44,8 @@ def start_recording() -> list[Flask]:
 
 def close_recorded(apps: list[Flask]) -> None:
     """Stop recording into *apps* and close each one's pool (a pool passed to
-    ``init_app`` is the caller's) and listener."""
+    ``init_app`` is the caller's) and listener, and dispose of its Flask-SQLAlchemy
+    engines (their pools: the app's own ORM connections)."""
     _recording[:] = [r for r in _recording if r is not apps]
     if not _recording:
         Idempotency.init_app = _original_init_app  # type: ignore[method-assign]
@@ -53,6 +53,18 @@ def close_recorded(apps: list[Flask]) -> None:
         state = app.extensions.get("idempotency")
         if state is not None:
             state.close()
+        _dispose_orm_engines(app)
+
+
+def _dispose_orm_engines(app: Flask) -> None:
+    """Close the pooled connections of *app*'s Flask-SQLAlchemy engines (each bind's);
+    an engine used again opens new ones."""
+    orm = app.extensions.get("sqlalchemy")
+    if orm is None or not hasattr(type(orm), "engines"):  # a property: read in a context
+        return
+    with app.app_context():  # Flask-SQLAlchemy 3 keeps its engines per app
+        for engine in orm.engines.values():
+            engine.dispose()
 
 
 @contextlib.contextmanager
@@ -63,12 +75,8 @@ def partitioned(app: Flask) -> Iterator[None]:
     settings = store.settings
     if store._given_pool is not None or not settings.database_url:
         raise ValueError("store_outage(app) needs the pool the extension opens, not one passed in")
-    host = str(conninfo_to_dict(settings.database_url).get("host") or "")
-    if host.startswith("/") or "," in host:
-        raise ValueError(
-            f"store_outage(app) proxies a TCP address; the app's database is at {host!r}"
-        )
-    proxy = TcpProxy.to_database(settings.database_url)
+    # the server the app's connections reach (a Unix socket too), as libpq finds it
+    proxy = TcpProxy.to_server(settings.database_url)
     with proxy:
         store.close()
         # the pool the store opens next goes through the proxy (the URL is read there)

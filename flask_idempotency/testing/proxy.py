@@ -1,5 +1,6 @@
 """A TCP proxy on 127.0.0.1 that can be told to go silent: a network partition, or a
-pooler that hangs, between the app and its database.
+pooler that hangs, between the app and its database. It forwards to a TCP address or to a
+PostgreSQL server's Unix socket (a *target_host* that is a directory, as libpq's ``host``).
 
 While :meth:`TcpProxy.freeze` is in effect the proxy accepts connections and bytes but
 forwards nothing in either direction, so the peers see a connection that is up and
@@ -24,10 +25,20 @@ from .service import Service
 
 
 class TcpProxy(Service):
-    """Forwards 127.0.0.1:*port* to *target_host*:*target_port*, one thread per direction."""
+    """Forwards 127.0.0.1:*port* to *target_host*:*target_port*, one thread per direction.
+
+    A *target_host* that starts with ``/`` is a socket directory, as libpq reads ``host``:
+    the proxy forwards to the Unix socket ``<target_host>/.s.PGSQL.<target_port>`` (one
+    that starts with ``@``, to that socket in Linux's abstract namespace).
+    """
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
+        #: the Unix socket forwarded to, or None for a TCP target
+        self.unix_path: str | None = None
+        if target_host.startswith(("/", "@")):
+            path = f"{target_host}/.s.PGSQL.{target_port}"
+            self.unix_path = "\0" + path[1:] if path.startswith("@") else path
         self.port = free_port()
         self._flowing = threading.Event()
         self._flowing.set()
@@ -44,12 +55,30 @@ class TcpProxy(Service):
 
     @classmethod
     def to_database(cls, database_url: str) -> TcpProxy:
+        """A proxy to the server *database_url* names by its ``host`` and ``port`` (a
+        socket directory too; no host: 127.0.0.1). See :meth:`to_server` for the server
+        a connection reaches."""
         params = conninfo_to_dict(database_url)
         return cls(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
 
+    @classmethod
+    def to_server(cls, database_url: str, connect_timeout: int = 10) -> TcpProxy:
+        """A proxy to the server a connection to *database_url* reaches, as libpq finds
+        it: the default socket directory of a URL without a host
+        (``postgresql:///myapp``), ``PGHOST``, the first host of a list that answers, a
+        ``hostaddr``."""
+        import psycopg
+
+        with psycopg.connect(database_url, connect_timeout=connect_timeout) as conn:
+            info = conn.info
+            return cls(info.hostaddr or info.host, info.port)
+
     def url(self, database_url: str) -> str:
-        """*database_url* pointing at this proxy instead."""
-        return make_conninfo(database_url, host="127.0.0.1", port=str(self.port))
+        """*database_url* pointing at this proxy instead (its TCP address on 127.0.0.1)."""
+        params = conninfo_to_dict(database_url)
+        params.pop("hostaddr", None)
+        params.update(host="127.0.0.1", port=str(self.port))
+        return make_conninfo("", **params)
 
     def start(self) -> None:
         self._spawn(self._accept)
@@ -110,7 +139,7 @@ class TcpProxy(Service):
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect()
             except OSError:
                 client.close()
                 continue
@@ -120,6 +149,19 @@ class TcpProxy(Service):
                 return
             self._spawn(self._pump, client, upstream, id(client), True)
             self._spawn(self._pump, upstream, client, id(client), False)
+
+    def _connect(self) -> socket.socket:
+        """A connection to the target."""
+        if self.unix_path is None:
+            return socket.create_connection(self.target, timeout=5)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.settimeout(5)
+            upstream.connect(self.unix_path)
+        except OSError:
+            upstream.close()
+            raise
+        return upstream
 
     def _count(self, pair: int, from_client: bool) -> None:
         with self._lock:

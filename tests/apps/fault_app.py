@@ -1,8 +1,12 @@
-"""The app that tests/e2e/test_fault_schedule.py serves under gunicorn and runs the CLI of
-(``python -m flask --app fault_app idempotency-clean``), configured by the environment only:
+"""The app that tests/e2e/test_fault_schedule.py gives to
+:func:`flask_idempotency.testing.run_fault_schedule`, which serves it under gunicorn and runs
+its CLI (``flask --app tests.apps.fault_app:create_app() idempotency-clean``); configured by
+the environment only:
 
-- ``FLASK_IDEMPOTENCY_*`` (``app.config.from_prefixed_env()``, values parsed as JSON), among
-  them ``FLASK_IDEMPOTENCY_DATABASE_URL``, the store (behind the test's TCP proxy);
+- ``IDEMPOTENCY_DATABASE_URL``: the store, behind the fault schedule's TCP proxy (set by
+  ``run_fault_schedule`` in every process it starts);
+- ``FLASK_IDEMPOTENCY_*`` (``app.config.from_prefixed_env()``, values parsed as JSON): the
+  extension's other settings;
 - ``FAULT_EXECUTIONS_URL``: the database holding ``fault_executions``, on a server the faults
   never touch, so that "the view ran twice" can always be read.
 
@@ -35,13 +39,14 @@ from typing import Any
 import psycopg
 from flask import Flask, Response
 
-from flask_idempotency import UnknownKey, completing, current_idempotency
+from flask_idempotency import Idempotency, UnknownKey, completing, current_idempotency
 from tests.apps.common import (
-    app_from_environment,
+    add_health_route,
     execute_ddl,
     idempotency_environment,
     record_execution,
     sleep_requested_delay,
+    tenant_from_header,
 )
 
 EXECUTIONS = """
@@ -82,13 +87,13 @@ def create_tables(store_url: str, executions_url: str) -> None:
     execute_ddl(executions_url, EXECUTIONS)
 
 
-def environment(store_url: str, executions_url: str, **settings: Any) -> dict[str, str]:
-    """The environment that configures this app: ``name=value`` becomes
-    ``FLASK_IDEMPOTENCY_<NAME>`` (JSON-encoded unless a string)."""
-    return {
-        **idempotency_environment(store_url, **settings),
-        "FAULT_EXECUTIONS_URL": executions_url,
-    }
+def environment(executions_url: str, **settings: Any) -> dict[str, str]:
+    """The environment that configures this app beside the store's URL, which the fault
+    schedule sets: ``name=value`` becomes ``FLASK_IDEMPOTENCY_<NAME>`` (JSON-encoded unless
+    a string)."""
+    env = idempotency_environment("", **settings)
+    del env["FLASK_IDEMPOTENCY_DATABASE_URL"]  # the schedule's IDEMPOTENCY_DATABASE_URL
+    return {**env, "FAULT_EXECUTIONS_URL": executions_url}
 
 
 def answer(body: str) -> Response:
@@ -119,7 +124,12 @@ def create_app() -> Flask:
     # The tenant is X-Tenant: stored with a complete=True claim
     # (IDEMPOTENCY_STORED_REQUEST_HEADERS), so the completer's rebuilt request names the
     # key's own tenant.
-    app, idempotency = app_from_environment("fault_app")
+    app = Flask("fault_app")
+    app.config.from_prefixed_env()
+    app.config["IDEMPOTENCY_DATABASE_URL"] = os.environ["IDEMPOTENCY_DATABASE_URL"]
+    idempotency = Idempotency(app)
+    idempotency.tenant_loader(tenant_from_header)
+    add_health_route(app)
 
     @idempotency.reconciler
     def reconcile(key: UnknownKey) -> Any:

@@ -96,7 +96,11 @@ def unknown_payment(server: GunicornServer, db: DB, account: str, key: str) -> d
 
 @pytest.mark.timeout(300)
 def test_an_operator_resolves_retries_and_discards_in_a_real_browser(
-    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB, browser: Any
+    start_gunicorn: Callable[..., GunicornServer],
+    database_url: str,
+    db: DB,
+    browser: Any,
+    tmp_path: Path,
 ) -> None:
     started = time.monotonic()
     server = start_example(
@@ -116,7 +120,7 @@ def test_an_operator_resolves_retries_and_discards_in_a_real_browser(
     )
     watched = Watched(context, server.url)
     page = watched.page
-    shots = Path(os.environ.get("IDEMPOTENCY_CONSOLE_SHOTS_DIR", "/tmp"))
+    shots = tmp_path  # copied to docs/ below when asked, never left in the system's /tmp
 
     # 1. Find the unknown key from the overview (with the loops' heartbeats) and resolve it.
     page.goto(CONSOLE + "/")

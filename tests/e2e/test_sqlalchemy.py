@@ -104,6 +104,33 @@ def test_a_twin_during_the_view_gets_409_and_sees_no_order(orm_app: Flask, db: D
     assert answers["first"].status_code == 201 and orders_of(db, key) == 1
 
 
+def test_a_key_connection_lost_as_db_session_joins_is_a_503_not_a_500(
+    orm_app: Flask, db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLAlchemy's first use of the key's connection (its dialect's set-up queries) meets a
+    connection that died (a restart, a terminated backend): the claim rolls back and the
+    client is told to retry (503), as for any store outage; the retry runs the view once."""
+    import psycopg
+    import sqlalchemy.exc
+
+    from flask_idempotency.sqlalchemy import KeyTransactions
+
+    def lost(self: Any, conn: Any) -> Any:
+        cause = psycopg.OperationalError("server closed the connection unexpectedly")
+        raise sqlalchemy.exc.OperationalError("SELECT pg_catalog.version()", {}, cause)
+
+    key = f"orm-{uuid.uuid4()}"
+    with monkeypatch.context() as patched:
+        patched.setattr(KeyTransactions, "join", lost)
+        answer = post(orm_app, "/orders", key)
+    assert answer.status_code == 503, answer.get_data(as_text=True)
+    assert answer.headers["Retry-After"] and answer.mimetype == "application/problem+json"
+    assert orders_of(db, key) == 0
+    assert count(db, "SELECT count(*) FROM orm_keys WHERE key = %s", key) == 0
+    retry = post(orm_app, "/orders", key)
+    assert retry.status_code == 201 and orders_of(db, key) == 1
+
+
 def test_outside_transactional_views_db_session_is_untouched(orm_app: Flask, db: DB) -> None:
     from tests.apps import orm_app as module
 

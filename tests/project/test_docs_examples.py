@@ -210,7 +210,8 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
         timeout=110,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"\b[8-9] passed\b", done.stdout), done.stdout
+    passed = re.search(r"\b(\d+) passed\b", done.stdout)
+    assert passed and int(passed[1]) >= 10, done.stdout
 
 
 # -- the README, the project's front page -------------------------------------------------

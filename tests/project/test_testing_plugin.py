@@ -9,12 +9,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import psycopg
 import pytest
 
 from flask_idempotency.testing import DATABASE_URL_ENV, IdempotencyDatabase, database
+from flask_idempotency.testing.postgres import PostgresServer
 from flask_idempotency.testing.proxy import TcpProxy
 from tests.support.gunicorn_server import ROOT
 
@@ -28,17 +31,32 @@ import threading
 import time
 
 from flask import Flask, request
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import text
 
 from flask_idempotency import Idempotency, current_idempotency
 
 RUNS: list[str] = []
 GATE = threading.Event()
+db = SQLAlchemy()
 
 
 def create_app(**config: object) -> Flask:
     app = Flask(__name__)
     app.config.update(config)
-    idempotency = Idempotency(app)
+    url = str(app.config["IDEMPOTENCY_DATABASE_URL"])  # the ORM's driver is psycopg 3
+    app.config["SQLALCHEMY_DATABASE_URI"] = url.replace("postgresql://", "postgresql+psycopg://")
+    db.init_app(app)
+    idempotency = Idempotency(app, sqlalchemy=db)
+
+    @app.get("/orm")
+    def orm() -> dict[str, object]:  # the app's own ORM connection: db.engine's pool
+        return {"one": db.session.execute(text("SELECT 1")).scalar()}
+
+    @app.post("/orm-orders")
+    @idempotency.idempotent(transactional=True)  # db.session in the key's transaction
+    def orm_order() -> tuple[dict[str, object], int]:
+        return {"one": db.session.execute(text("SELECT 1")).scalar()}, 201
 
     @app.post("/orders")
     @idempotency.idempotent
@@ -104,6 +122,10 @@ def before(idempotency_database):
 def test_each_builds_an_app(before, app, idempotency_database, n):
     answer = app.test_client().post("/orders", headers={"Idempotency-Key": f"many-{n}"})
     assert answer.status_code == 201
+    assert app.test_client().get("/orm").get_json() == {"one": 1}  # Flask-SQLAlchemy's pool
+    if n % 20 == 3:  # and the key's transaction through db.session
+        orm_key = {"Idempotency-Key": f"orm-{n}"}
+        assert app.test_client().post("/orm-orders", headers=orm_key).status_code == 201
     if n == 0:  # the app's pool is open now
         assert server_connections(idempotency_database.url) > before
     if n % 50 == 1:  # twins that wait: the app's listener has a connection too
@@ -126,12 +148,28 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 import shop
 from shop import create_app
 
-from flask_idempotency.testing import expire_lease, send_twins, store_outage
+from flask_idempotency.testing import check_contract, expire_lease, send_twins, store_outage
+
+
+def test_the_routes_keep_the_contract(app):
+    client = app.test_client()
+    assert check_contract(client, "POST", "/orders", {"item": "book"}) == []
+    assert check_contract(client, "POST", "/orm-orders", {"item": "book"}) == []
+
+
+def test_a_view_that_is_not_idempotent_breaks_the_contract(app):
+    @app.post("/plain")
+    def plain():  # no @idempotency.idempotent: a new id on every retry
+        return {"id": str(uuid.uuid4())}, 201
+
+    failures = check_contract(app.test_client(), "POST", "/plain", {"item": "book"})
+    assert [line.split(":")[0] for line in failures] == ["replay", "replay", "key-reused", "route"]
 
 
 def test_twins_on_a_slow_view_run_it_once(app):
@@ -253,13 +291,49 @@ def run_project(
 def test_a_project_gets_the_database_twins_outage_and_lease(
     pytester: pytest.Pytester, entry_point: Path, idempotency_database: IdempotencyDatabase
 ) -> None:
-    """200 tests that each build an app leave the server's connections as they were;
-    send_twins, store_outage and expire_lease do what SPEC §19 says."""
+    """200 tests that each build an app (with Flask-SQLAlchemy, whose engine's pool each
+    uses) leave the server's connections as they were; send_twins, store_outage,
+    expire_lease and check_contract do what SPEC §19 and §23 say."""
     server = idempotency_database.url  # the inner session makes a database of its own there
     pytester.makepyfile(shop=SHOP, test_many_apps=MANY_APPS, test_scenarios=SCENARIOS)
     pytester.makeconftest(CONFTEST)
     result = run_project(pytester, entry_point, {DATABASE_URL_ENV: server})
-    result.assert_outcomes(passed=205)
+    result.assert_outcomes(passed=207)
+
+
+@pytest.fixture(scope="module")
+def unix_socket_url(
+    idempotency_database: IdempotencyDatabase, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The session's server on its Unix socket, as a user's local PostgreSQL is
+    (``postgresql://user@/db?host=<socket directory>&port=<port>``); a server of its own
+    when the session's server has no socket on this machine."""
+    with psycopg.connect(idempotency_database.url, autocommit=True) as conn:
+        directories = str(conn.execute("SHOW unix_socket_directories").fetchone()[0])  # type: ignore[index]
+        user, port = conn.info.user, conn.info.port
+    for directory in (d.strip() for d in directories.split(",")):
+        if directory.startswith("/") and Path(directory, f".s.PGSQL.{port}").exists():
+            yield unix_url(user, directory, port)
+            return
+    with PostgresServer(tmp_path_factory.mktemp("unix-socket") / "data") as server:
+        yield unix_url("postgres", str(server.socket_dir), server.port)
+
+
+def unix_url(user: str, directory: str, port: int) -> str:
+    return f"postgresql://{quote(user)}@/postgres?host={quote(directory, safe='')}&port={port}"
+
+
+def test_store_outage_on_a_unix_socket_database(
+    pytester: pytest.Pytester, entry_point: Path, unix_socket_url: str
+) -> None:
+    """``IDEMPOTENCY_TEST_DATABASE_URL`` on a Unix socket (the default local setup,
+    ``postgresql:///myapp_test``): the session's database is made there, and store_outage
+    partitions the app through a proxy from 127.0.0.1 to the socket."""
+    pytester.makepyfile(shop=SHOP, test_scenarios=SCENARIOS)
+    pytester.makeconftest(CONFTEST)
+    env = {DATABASE_URL_ENV: unix_socket_url}
+    result = run_project(pytester, entry_point, env, "-k", "outage or contract")
+    result.assert_outcomes(passed=4, deselected=2)
 
 
 def test_loading_the_plugin_imports_nothing_heavy(

@@ -64,6 +64,8 @@ def assert_idempotent(
     assert parameter is not None, operation.get("parameters")
     assert parameter["required"] is required
     assert parameter["schema"]["type"] == "string"
+    # the server's limits: 1-255 visible ASCII characters
+    assert parameter["schema"]["minLength"] == 1 and parameter["schema"]["maxLength"] == 255
     responses = operation["responses"]
     two_hundreds = [code for code in responses if str(code).startswith("2")]
     assert two_hundreds, responses

@@ -92,7 +92,13 @@ def test_a_failed_commit_answers_503_and_nothing_is_done(app: Flask, key: str, d
     assert ledger_rows(db, key) == 1
 
 
-def test_twin_gets_409_while_the_transaction_is_open(app: Flask, key: str, db: DB) -> None:
+@pytest.mark.parametrize("twin_amount", [1, 2], ids=["same-body", "another-body"])
+def test_twin_gets_409_while_the_transaction_is_open(
+    app: Flask, key: str, db: DB, twin_amount: int
+) -> None:
+    """A twin, with the same body or another, gets 409 while the claim's transaction is
+    open: the claim (and its fingerprint) is not committed yet, so nothing says the key's
+    body (docs/howto/validation.md); once the first has answered, another body is 422."""
     entered, proceed = app.extensions["test_gates"].add(key)
     results: dict[str, TestResponse] = {}
     first = threading.Thread(
@@ -103,7 +109,8 @@ def test_twin_gets_409_while_the_transaction_is_open(app: Flask, key: str, db: D
     first.start()
     try:
         assert entered.wait(10)
-        problem(post(app.test_client(), "/ledger", key, {"amount": 1}), 409, "request-in-progress")
+        twin = post(app.test_client(), "/ledger", key, {"amount": twin_amount})
+        problem(twin, 409, "request-in-progress")
         # Nothing is visible yet: no window where the key says done and the work is not.
         assert key_rows(db, key) == 0 and ledger_rows(db, key) == 0
     finally:
@@ -111,6 +118,8 @@ def test_twin_gets_409_while_the_transaction_is_open(app: Flask, key: str, db: D
         first.join(10)
     assert results["first"].status_code == 201
     assert key_rows(db, key) == 1 and ledger_rows(db, key) == 1
+    if twin_amount != 1:
+        problem(post(app.test_client(), "/ledger", key, {"amount": twin_amount}), 422, "key-reused")
 
 
 def test_the_pinned_connection_goes_back_clean(make_app: Callable[..., Flask], db: DB) -> None:

@@ -125,6 +125,112 @@ def test_decorators_in_the_right_order_are_accepted() -> None:
     assert {"pay", "shop.refund"} <= set(app.view_functions)
 
 
+# -- 1b. a transactional view in an app with Flask-SQLAlchemy the extension was not given --
+
+ORM_URL = "postgresql+psycopg://localhost/never-used"
+
+
+def orm_app(database_url: str = URL) -> tuple[Flask, Any]:
+    """An app that registered Flask-SQLAlchemy (``db.init_app(app)``), and its ``db``."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = new_app(database_url, SQLALCHEMY_DATABASE_URI=ORM_URL)
+    db = SQLAlchemy()
+    db.init_app(app)
+    return app, db
+
+
+def test_forgetting_sqlalchemy_db_is_refused_at_init_app() -> None:
+    """Routes known and Flask-SQLAlchemy registered when ``init_app`` runs: refused there."""
+    app, _ = orm_app()
+    idempotency = Idempotency()
+
+    @app.post("/orders")
+    @idempotency.idempotent(transactional=True)
+    def order() -> str:
+        return "ordered"
+
+    with pytest.raises(ConfigError, match=r"'order'.*sqlalchemy=db"):
+        idempotency.init_app(app)
+
+
+def test_forgetting_sqlalchemy_db_is_refused_when_the_route_is_added() -> None:
+    """An app factory's order (Flask-SQLAlchemy, the extension, then the blueprints):
+    refused at ``register_blueprint``; views that are not transactional are accepted."""
+    app, _ = orm_app()
+    idempotency = Idempotency(app)
+    shop = Blueprint("shop", __name__)
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> str:
+        return "paid"
+
+    @shop.post("/orders")
+    @idempotency.idempotent(transactional=True)
+    def order() -> str:
+        return "ordered"
+
+    with pytest.raises(ConfigError, match=r"'shop.order'.*sqlalchemy=db"):
+        app.register_blueprint(shop)
+
+
+def test_forgetting_sqlalchemy_db_is_refused_at_the_first_request_before_the_claim(
+    database_url: str, db: DB, key: str
+) -> None:
+    """Flask-SQLAlchemy registered after the routes and the extension: the route's first
+    request is refused before anything is claimed, the view never runs; the app's other
+    routes serve."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = new_app(database_url, SQLALCHEMY_DATABASE_URI=ORM_URL)
+    idempotency = Idempotency(app)
+    ran: list[str] = []
+
+    @app.post("/orders")
+    @idempotency.idempotent(transactional=True)
+    def order() -> str:
+        ran.append("order")
+        return "ordered"
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> str:
+        return "paid"
+
+    SQLAlchemy().init_app(app)  # after the routes
+    client = app.test_client()
+    try:
+        assert client.post("/orders", headers={"Idempotency-Key": key}).status_code == 500
+        app.testing = True  # the error itself, propagated
+        with pytest.raises(ConfigError, match=r"'order'.*sqlalchemy=db"):
+            client.post("/orders", headers={"Idempotency-Key": key})
+        assert client.post("/pay", headers={"Idempotency-Key": f"{key}-pay"}).status_code == 200
+        assert ran == [] and key_rows(db, key) == 0  # nothing claimed
+    finally:
+        app.extensions["idempotency"].store.close()
+
+
+def test_sqlalchemy_db_given_or_no_flask_sqlalchemy_is_accepted() -> None:
+    app, db = orm_app()
+    idempotency = Idempotency(app, sqlalchemy=db)
+
+    @app.post("/orders")
+    @idempotency.idempotent(transactional=True)
+    def order() -> str:
+        return "ordered"
+
+    plain = new_app()
+    plain_idempotency = Idempotency(plain)
+
+    @plain.post("/orders")
+    @plain_idempotency.idempotent(transactional=True)
+    def plain_order() -> str:
+        return "ordered"
+
+    assert "order" in app.view_functions and "plain_order" in plain.view_functions
+
+
 # -- 2. the transaction of a transactional view belongs to the key -----------------------
 
 

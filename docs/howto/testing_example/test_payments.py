@@ -10,7 +10,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from flask_idempotency.testing import expire_lease, send_twins, store_outage
+from flask_idempotency.testing import check_contract, expire_lease, send_twins, store_outage
 
 ACME = {"Authorization": "Bearer sk_test_acme"}
 GLOBEX = {"Authorization": "Bearer sk_test_globex"}
@@ -46,6 +46,14 @@ def test_a_request_without_a_key_is_refused(client: FlaskClient) -> None:
     answer = client.post("/payments", json={"amount": 1000}, headers=ACME)
     assert answer.status_code == 400
     assert answer.mimetype == "application/problem+json"
+
+
+@pytest.mark.parametrize(
+    "path, body", [("/payments", {"amount": 1000}), ("/refunds", {"charge": "ch_1"})]
+)
+def test_the_routes_keep_stripes_contract(client: FlaskClient, path: str, body: dict) -> None:
+    # a replay byte for byte, another body refused, no key as the route requires, ...
+    assert check_contract(client, "POST", path, body, headers=ACME) == []
 
 
 def test_the_cleaner_runs(app: Flask) -> None:
