@@ -9,6 +9,10 @@ not meant to run says so on the line before it, with the reason:
 
 The testing how-to's example project (``docs/howto/testing_example``) runs as the reader runs
 it: ``python -m pytest`` in a directory of its own.
+
+The how-tos whose app serves (:data:`SERVED`) are served as a reader serves them: the page's
+module written to a folder, the page's ``flask`` commands run, then gunicorn with two workers
+on an empty database, answering a POST with a key and its replay.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from tests.support.gunicorn_server import ROOT
+from tests.support.gunicorn_server import ROOT, GunicornServer, post
 
 DOCS = ROOT / "docs"
 #: pages whose blocks run together, in this order, in one namespace and one database
@@ -212,6 +218,117 @@ def test_testing_howto_example_project_passes(tmp_path: Path, page_database: str
     assert done.returncode == 0, done.stdout + done.stderr
     passed = re.search(r"\b(\d+) passed\b", done.stdout)
     assert passed and int(passed[1]) >= 10, done.stdout
+
+
+# -- the how-tos' apps, served ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Served:
+    """A how-to's app as a reader serves it, and the request that proves it serves."""
+
+    #: the module's file: the runnable blocks of *page* up to the one that defines
+    #: ``create_app``, or a file of *folder*
+    module: str
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    #: the page whose blocks are the module, and whose ``bash`` block says how to serve it
+    #: (its ``flask`` lines run first, its ``gunicorn`` line names the app)
+    page: str = ""
+    #: or a folder of the docs holding the module, and the app as gunicorn takes it
+    folder: str = ""
+    app: str = ""
+
+    def write(self, project: Path) -> None:
+        if self.folder:
+            shutil.copytree(DOCS / self.folder, project, dirs_exist_ok=True)
+            return
+        code = []
+        for block in python_blocks(DOCS / self.page):
+            if block.runnable:
+                code.append(block.code)
+                if "def create_app(" in block.code:
+                    break
+        else:
+            raise AssertionError(f"{self.page}: no block defines create_app")
+        (project / self.module).write_text("\n".join(code), encoding="utf-8")
+
+    def steps(self) -> tuple[list[list[str]], str]:
+        """The ``flask`` commands the page runs before serving, and the app gunicorn serves
+        (with the two workers the page says)."""
+        if self.folder:
+            return [], self.app
+        text = (DOCS / self.page).read_text(encoding="utf-8")
+        lines = [
+            shlex.split(line, comments=True)
+            for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+            for line in block.splitlines()
+        ]
+        commands = [line for line in lines if line[:1] == ["flask"]]
+        served = [line for line in lines if line[:1] == ["gunicorn"]]
+        assert len(served) == 1, f"{self.page}: one gunicorn command, not {served}"
+        assert "--workers" in served[0] and served[0][served[0].index("--workers") + 1] == "2"
+        return commands, served[0][-1]
+
+
+#: the how-tos whose app serves
+SERVED: dict[str, Served] = {
+    "flask-sqlalchemy": Served(
+        module="shop.py",
+        page="howto/flask-sqlalchemy.md",
+        path="/orders",
+        body={"amount": 1000},
+        headers={"X-Account": "acme"},
+    ),
+    "testing-example": Served(
+        module="payments.py",
+        folder="howto/testing_example",
+        app="payments:create_app()",
+        path="/payments",
+        body={"amount": 1200},
+        headers={"Authorization": "Bearer sk_test_acme"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_howto_apps_serve_under_gunicorn_with_two_workers(
+    name: str,
+    page_database: str,
+    tmp_path: Path,
+    start_gunicorn: Callable[..., GunicornServer],
+) -> None:
+    """On an empty database: the page's commands, then two workers that both boot (no
+    worker races another to create a table), a POST with a key and its replay."""
+    served = SERVED[name]
+    project = tmp_path / "project"
+    project.mkdir()
+    served.write(project)
+    commands, app = served.steps()
+    env = {"DATABASE_URL": page_database}
+    for command in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", *command],
+            cwd=project,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"{shlex.join(command)}:\n{done.stdout}{done.stderr}"
+    server = start_gunicorn(app, env=env, workers=2, cwd=project)
+    server.wait_for_workers()
+    key = f"served-{uuid.uuid4()}"
+    first = post(server.port, served.path, key, served.body, headers=served.headers)
+    again = post(server.port, served.path, key, served.body, headers=served.headers)
+    assert first.status == 201 and not first.replayed, (first.status, first.body)
+    assert again.replayed and (again.status, again.body) == (first.status, first.body)
+    assert again.stored_headers() == first.stored_headers()
+    log = server.log_tail(100_000)
+    assert server.process is not None and server.process.poll() is None, log
+    assert "Worker failed to boot" not in log and "Traceback" not in log, log
+    assert len(server.worker_pids()) == 2, log
 
 
 # -- the README, the project's front page -------------------------------------------------

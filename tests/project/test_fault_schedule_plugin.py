@@ -1,14 +1,23 @@
-"""``run_fault_schedule`` (SPEC §23) as a user's project meets it: a throwaway project with its
-own app (an app factory, Flask-SQLAlchemy models, an idempotent route writing an order row in
-the key's transaction), no conftest of its own, and a test that is one call per seed (the
-testing how-to's example, as written), run by pytest in a subprocess with the plugin loaded
-from its ``pytest11`` entry point and a PostgreSQL the plugin starts (so the schedule restarts
-it too). Two seeds of 10 s each: about 35 to 50 s in all.
+"""``run_fault_schedule`` and ``check_contract`` (SPEC §23) as a user's project meets them: a
+throwaway project with its own app (an app factory, Flask-SQLAlchemy models, an idempotent
+route writing an order row in the key's transaction), no conftest of its own, and a test that
+is one call per seed (the testing how-to's example, as written), run by pytest in a subprocess
+with the plugin loaded from its ``pytest11`` entry point and a PostgreSQL the plugin starts (so
+the schedule restarts it too). The correct app holds under two seeds of 10 s each, and
+``check_contract`` finds nothing on three of its routes (the transactional order, a plain
+quote, and a route that does not require a key and releases its 422).
 
-The same project with a planted defect, an ``on_abandoned="retry"`` route whose view commits
-its order on its own before it answers (unfenced), fails: a worker killed after that commit
-leaves the order, the retry takes the dead worker's claim over and orders again; the failure
-names the seed and the key."""
+The same project with either of two planted defects fails with the seed and the key:
+- an ``on_abandoned="retry"`` route whose view commits its order on its own before it answers
+  (unfenced): a worker killed after that commit leaves the order, the retry takes the dead
+  worker's claim over and orders again;
+- a ``transactional=True`` route whose view writes its order on a connection of its own
+  (``db.engine``, not the key's transaction) and commits it before the key's answer: a worker
+  killed, or PostgreSQL restarted, after that commit rolls the key's claim back but not the
+  order, and the retry orders again. ``check_contract`` passes that route (no fault, no
+  double): only the fault schedule catches it.
+
+Each of the two pytest runs starts its PostgreSQL once; each schedule takes 16 to 21 s."""
 
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import time
 
 from flask import Blueprint, Flask, request
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import insert
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, current_idempotency
@@ -54,7 +64,10 @@ def tenant() -> str:
 
 
 shop = Blueprint("shop", __name__)
+#: the planted defects, each serving POST /orders its own wrong way
 unfenced = Blueprint("unfenced", __name__)
+own_connection = Blueprint("own_connection", __name__)
+CATALOGUE = {"book", "pen"}
 
 
 class Order(db.Model):
@@ -85,6 +98,14 @@ def quote():
     return {"sku": request.json["sku"], "price": 1200}, 200
 
 
+@shop.post("/wishes")
+@idempotency.idempotent(required=False)  # a key makes a retry safe; none is required
+def wish():
+    if request.json["sku"] not in CATALOGUE:
+        return {"error": f"no such sku: {request.json['sku']}"}, 422  # released: not stored
+    return {"sku": request.json["sku"], "wished": True}, 201
+
+
 @unfenced.post("/orders")
 @idempotency.idempotent  # on_abandoned="retry": a dead worker's claim runs again
 def order_unfenced():
@@ -95,7 +116,19 @@ def order_unfenced():
     return {"id": row.id, "sku": row.sku}, 201
 
 
-def create_app(database_url: str | None = None, unfenced_orders: bool = False) -> Flask:
+@own_connection.post("/orders")
+@idempotency.idempotent(transactional=True)  # looks safe, but the order is not in it:
+def order_own_connection():
+    with db.engine.begin() as conn:  # a connection of the app's own, committed at once
+        conn.execute(insert(Order).values(key=current_idempotency.key, sku=request.json["sku"]))
+    pause()  # a kill or a restart here rolls the key's claim back, not the order
+    return {"sku": request.json["sku"]}, 201
+
+
+DEFECTS = {"unfenced": unfenced, "own-connection": own_connection}
+
+
+def create_app(database_url: str | None = None, defect: str | None = None) -> Flask:
     url = database_url or os.environ["DATABASE_URL"]
     app = Flask(__name__)
     app.config.update(
@@ -108,32 +141,67 @@ def create_app(database_url: str | None = None, unfenced_orders: bool = False) -
     )
     db.init_app(app)
     idempotency.init_app(app, sqlalchemy=db)
-    app.register_blueprint(unfenced if unfenced_orders else shop)
+    app.register_blueprint(DEFECTS[defect] if defect else shop)
     return app
 """
 
 
 def faults_test() -> str:
     """The user's test: the testing how-to's example as written (the tables made once, one
-    call per seed), and the defect's test beside it."""
+    call per seed), the contract test and the defects' tests beside it."""
     page = DOCS / "howto" / "testing.md"
     blocks = [b.code for b in python_blocks(page) if "run_fault_schedule(" in b.code]
     assert len(blocks) == 1, f"{page}: one example of run_fault_schedule, not {len(blocks)}"
-    return blocks[0] + UNFENCED_TEST
+    return blocks[0] + CONTRACT_TEST + DEFECT_TESTS
 
 
-#: the planted defect's test, in the how-to's example's module
-UNFENCED_TEST = """
+#: the contract on three of the correct shop's routes, in the how-to's example's module
+CONTRACT_TEST = """
+
+from flask_idempotency.testing import check_contract
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/orders", {"sku": "book"}),  # transactional: the order in the key's transaction
+        ("/quotes", {"sku": "pen"}),  # a plain route
+        ("/wishes", {"sku": "kite"}),  # no key required; a 422 released, not stored
+    ],
+)
+def test_the_routes_keep_the_contract(database, path, body):
+    client = create_app(database.url).test_client()
+    assert check_contract(client, "POST", path, body) == []
+"""
+
+#: the planted defects' tests, in the same module
+DEFECT_TESTS = """
 
 def test_an_unfenced_retry_route_orders_twice(database, tmp_path):
     report = run_fault_schedule(
-        "shop:create_app(unfenced_orders=True)",
+        "shop:create_app(defect='unfenced')",
         [("POST", "/orders", {"sku": "book", "delay": 0.6})],
         database=database,
         seconds=10,
         seed=1103,
         effects=orders_of(database),
         logs=tmp_path,  # pytest's, not the system's temporary folder: it fails
+    )
+    assert report.ok, str(report)
+
+
+def test_an_order_on_its_own_connection_orders_twice(database, tmp_path):
+    app = create_app(database.url, defect="own-connection")
+    # without faults the route keeps the contract: one run, replayed, the order once
+    assert check_contract(app.test_client(), "POST", "/orders", {"sku": "pen"}) == []
+    report = run_fault_schedule(
+        "shop:create_app(defect='own-connection')",
+        [("POST", "/orders", {"sku": "book", "delay": 0.6})],
+        database=database,
+        seconds=10,
+        seed=1104,
+        effects=orders_of(database),
+        logs=tmp_path,
     )
     assert report.ok, str(report)
 """
@@ -144,26 +212,30 @@ def test_a_project_proves_its_own_app_under_faults(
     pytester: pytest.Pytester,
     entry_point: Path,  # noqa: F811
 ) -> None:
-    """A correct app holds under two seeds of the schedule."""
+    """A correct app holds under two seeds of the schedule, and keeps the contract on three
+    of its routes."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
-    result = run_project(pytester, entry_point, {}, "-k", "hold")
-    result.assert_outcomes(passed=2, deselected=1)
+    result = run_project(pytester, entry_point, {}, "-k", "hold or contract")
+    result.assert_outcomes(passed=5, deselected=2)
 
 
 @pytest.mark.timeout(200)
-def test_a_planted_defect_fails_with_the_seed_and_the_key(
+def test_planted_defects_fail_with_the_seed_and_the_key(
     pytester: pytest.Pytester,
     entry_point: Path,  # noqa: F811
 ) -> None:
-    """An unfenced side effect in a ``"retry"`` route: a worker killed after the view's own
-    commit leaves the order, and the retry, taking the dead worker's claim over, orders
-    again. The failure names the seed that repeats it and the key ordered twice."""
+    """An unfenced side effect in a ``"retry"`` route, and a ``transactional=True`` view that
+    commits its order on a connection of its own: a worker killed (or PostgreSQL restarted)
+    after that commit leaves the order, and the retry orders again. Each failure names the
+    seed that repeats it and the key ordered twice; the second route passes
+    ``check_contract`` first (no fault: nothing to catch)."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
-    result = run_project(pytester, entry_point, {}, "-k", "unfenced")
-    result.assert_outcomes(failed=1, deselected=2)
+    result = run_project(pytester, entry_point, {}, "-k", "twice")
+    result.assert_outcomes(failed=2, deselected=5)
     output = "\n".join(result.outlines)
-    assert "fault schedule FAILED" in output
-    assert "seed 1103: run_fault_schedule(..., seed=1103) repeats this schedule" in output
-    assert re.search(
-        r"key 'f1103-\w+-c\d+-\d+' \(POST /orders\): its effect happened [2-9]", output
-    )
+    assert output.count("fault schedule FAILED") >= 2, output
+    for seed in (1103, 1104):
+        assert f"seed {seed}: run_fault_schedule(..., seed={seed}) repeats this schedule" in output
+        assert re.search(
+            rf"key 'f{seed}-\w+-c\d+-\d+' \(POST /orders\): its effect happened [2-9]", output
+        ), f"seed {seed}: no key ordered twice"
