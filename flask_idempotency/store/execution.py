@@ -232,17 +232,12 @@ class Execution:
         return [row[0] for row in self.fetch(self._free_owners, {"ids": free}).rows]
 
     def _owner_connection(self) -> psycopg.Connection[Any]:
-        """The owner lock's own connection: bounded, never the pool's; the lock is held in
-        a transaction it leaves open (:meth:`Owner._take_lock`)."""
+        """The owner lock's own connection: bounded, in autocommit, never the pool's."""
         url = self.settings.owner_database_url or self.settings.database_url or self.conninfo
         wanted = {**connection_parameters(self.settings), "application_name": OWNER_APPLICATION}
         in_url = psycopg.conninfo.conninfo_to_dict(url)
         params = {name: value for name, value in wanted.items() if name not in in_url}
-        conn = BoundedConnection.connect(url, prepare_threshold=None, **params)
-        # read committed whatever the role's default: the open transaction then holds no
-        # snapshot between statements, so it holds back no vacuum
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return conn
+        return BoundedConnection.connect(url, autocommit=True, prepare_threshold=None, **params)
 
     @property
     def conninfo(self) -> str:

@@ -1,8 +1,9 @@
 """The owner lock (SPEC §20): PostgreSQL tells which process of a claim is alive.
 
-Each process that claims keys holds an advisory lock of its own, its *owner id* (a random
-63-bit number, new in every process), taken in a transaction it leaves open on one
-connection of its own for as long as it serves, and every claim it makes records that id.
+Each process that claims keys holds a session advisory lock of its own, its *owner id* (a
+random 63-bit number, new in every process), on one connection of its own (in autocommit:
+no transaction stays open) for as long as it serves, and every claim it makes records that
+id.
 The lock ends with the session, so when the process dies (``kill -9``, the OOM killer,
 gunicorn's worker timeout) its lock is free at once, and a request that meets one of its
 claims in ``processing`` may act on it without waiting for the lease.
@@ -60,16 +61,24 @@ _RECONNECT_SECONDS = 0.2
 #: the owner lock's connection's application_name (pg_stat_activity tells them apart)
 APPLICATION_NAME = "flask-idempotency owner"
 
-# In the lock's own transaction, left open (SET LOCAL: gone with it): no idle-in-transaction
-# or transaction timeout of the server's configuration ends it (transaction_timeout exists
-# from PostgreSQL 17). The server's TCP keepalives are left as they are: a host cut off from
-# the server is silence, which the lease bounds, never a death (SPEC §20).
-NO_IDLE_TIMEOUT = """
-SELECT set_config('idle_in_transaction_session_timeout', '0', true),
-       (SELECT set_config('transaction_timeout', '0', true)
-        WHERE current_setting('server_version_num')::integer >= 170000)
-"""
-TAKE_LOCK = "SELECT pg_try_advisory_xact_lock(%(owner)s::bigint)"
+
+def lock_free(owner: str) -> str:
+    """SQL: true when no session holds the owner lock *owner* (an SQL expression of the
+    owner id) in this database. Read from ``pg_locks``, never by taking the lock: a session
+    that holds it itself (a transaction pooler's server connection the lock was taken on)
+    sees it held, so it is never judged dead by mistake; and a checker never stands in the
+    way of an owner taking its lock again."""
+    return (
+        "NOT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND objsubid = 1"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        f" AND classid = ({owner} >> 32)::oid AND objid = ({owner} & 4294967295)::oid)"
+    )
+
+
+# A session lock, on a connection in autocommit: no transaction stays open (one would make
+# every CREATE INDEX CONCURRENTLY that began while it took its lock wait for its end).
+TAKE_LOCK = "SELECT pg_try_advisory_lock(%(owner)s::bigint)"
 
 # A lock taken through a transaction pooler (PgBouncer in transaction mode) belongs to
 # whatever server connection ran that statement, not to this process: the lock must be
@@ -81,14 +90,6 @@ SELECT EXISTS (
       AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %(owner)s::bigint
 )
 """
-
-# The last statement of the lock's open transaction, sent without parameters (psycopg uses
-# the simple query protocol then), so that it drops the unnamed portal of LOCK_IS_MINE: a
-# statement sent with parameters leaves its portal open until the next one, and with it its
-# snapshot, so the session would keep its xmin for as long as the process lives, holding back
-# vacuum on every table and making every CREATE INDEX CONCURRENTLY (an online upgrade's
-# indexes) wait for the process to end.
-DROP_PORTAL = "SELECT 1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,22 +283,17 @@ class Owner:
             self._stopping.wait(_RECONNECT_SECONDS)
 
     def _take_lock(self, conn: psycopg.Connection[Any]) -> None:
-        """Take the lock in a transaction left open (a request looking at it may hold it
-        shared for a moment: asked again). An open transaction keeps one server session
-        even behind a transaction pooler; it holds no snapshot between statements, so it
-        holds back no vacuum, and it never writes."""
+        """Take the session lock (asked again while the session that held it before, one
+        of this process's that ended, is still being torn down)."""
         params = {"owner": self.id}
         while not self._stopping.is_set():
             with bounded(conn, self._timeout):
-                conn.execute(NO_IDLE_TIMEOUT, prepare=False)
                 taken = conn.execute(TAKE_LOCK, params, prepare=False).fetchone()
             if taken and taken[0]:
                 break
-            conn.rollback()
             time.sleep(0.05)
         with bounded(conn, self._timeout):
             mine = conn.execute(LOCK_IS_MINE, params, prepare=False).fetchone()
-            conn.execute(DROP_PORTAL, prepare=False)
         if not (mine and mine[0]):
             self.usable = False
             logger.warning(

@@ -9,6 +9,8 @@ and run it through the store's one execution path.
 
 from __future__ import annotations
 
+from .owner import lock_free
+
 # -- the completer ----------------------------------------------------------------
 
 # One batch of keys whose client evidently gave up: claims of complete=True routes
@@ -306,7 +308,7 @@ OWNED = (
 OWNER_STATE = (
     "CASE WHEN status <> 'processing' OR NOT coalesce(locked_until > now(), false) THEN NULL"
     " WHEN NOT coalesce(" + OWNED + ", false) THEN 'lease'"
-    " WHEN pg_try_advisory_xact_lock_shared(owner_id) THEN 'gone' ELSE 'alive' END"
+    " WHEN " + lock_free("owner_id") + " THEN 'gone' ELSE 'alive' END"
 )
 
 LIST_KEYS = (
@@ -434,6 +436,4 @@ OWNERS_OF_CLAIMS = (
 
 # Which of the owners are free now: their session ended (dead, or reconnecting). Asked
 # twice, GRACE_SECONDS apart: free both times, dead.
-FREE_OWNERS = """
-SELECT id FROM unnest(%(ids)s::bigint[]) AS id WHERE pg_try_advisory_xact_lock_shared(id)
-"""
+FREE_OWNERS = "SELECT id FROM unnest(%(ids)s::bigint[]) AS id WHERE " + lock_free("id")

@@ -8,6 +8,8 @@ once and runs it through its one execution path.
 
 from __future__ import annotations
 
+from .owner import lock_free
+
 # The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
 # (a float): cheaper to send than an interval.
 
@@ -45,7 +47,9 @@ WITH seen AS (
     -- (true) means its session ended. Free twice, GRACE_SECONDS apart (the caller asks
     -- again with gone_owner), means its process is dead.
     SELECT CASE WHEN seen.owned AND NOT seen.fingerprint <> %(fingerprint)s
-                THEN pg_try_advisory_xact_lock_shared(seen.owner_id) END AS free
+                THEN """
+    + lock_free("seen.owner_id")
+    + """ END AS free
     FROM seen
 ), intent AS (
     SELECT CASE

@@ -59,13 +59,13 @@ def test_a_claim_records_its_owner_and_its_finish_clears_it(
             [owner.id],
         ).fetchone()
         assert held == (1,)
-        # its transaction is left open, holding no snapshot: no vacuum nor concurrent index
-        # build waits for it
+        # a session lock in autocommit: no transaction left open, no snapshot held, so no
+        # vacuum nor concurrent index build waits for it
         xmin = db.execute(
             "SELECT backend_xid, backend_xmin, state FROM pg_stat_activity"
             " WHERE application_name = 'flask-idempotency owner' AND datname = current_database()"
         ).fetchall()
-        assert xmin == [(None, None, "idle in transaction")]
+        assert xmin == [(None, None, "idle")]
     finally:
         proceed.set()
         thread.join(20)
