@@ -47,7 +47,7 @@ from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
 from .statements_background import FREE_OWNERS
-from .statements_request import RENEW
+from .statements_request import DISOWN, RENEW
 
 __all__ = ["Execution", "HeldTransaction", "bounded_transaction"]
 
@@ -204,6 +204,7 @@ class Execution:
                     self._owner_connection,
                     self.run,
                     Statement(self.render(RENEW)),
+                    Statement(self.render(DISOWN)),
                     settings.statement_timeout,
                 )
             return self._owner

@@ -57,6 +57,8 @@ GRACE_SECONDS = 1.0
 _TICK_SECONDS = 0.2
 #: the pause between two tries to reconnect (PostgreSQL restarting, away)
 _RECONNECT_SECONDS = 0.2
+#: how often the lock's thread checks that the lock is its own session's
+_VERIFY_SECONDS = 5.0
 
 #: the owner lock's connection's application_name (pg_stat_activity tells them apart)
 APPLICATION_NAME = "flask-idempotency owner"
@@ -136,9 +138,10 @@ class Owner:
 
     *connect* opens the lock's connection (a :class:`~.pool.BoundedConnection`); *run*
     is the store's one execution path (:meth:`~.execution.Execution.run`: bounded, sent
-    again on a lost connection), on which the renewals (*renew*) and the kept answers are
-    sent; *timeout* bounds each statement on the lock's connection. The threads start at
-    the first :meth:`current` of the process.
+    again on a lost connection), on which the renewals (*renew*), the kept answers and,
+    should the lock turn out not to be its session's, the hand-over of its claims to their
+    leases (*disown*) are sent; *timeout* bounds each statement on the lock's connection.
+    The threads start at the first :meth:`current` of the process.
     """
 
     def __init__(
@@ -146,11 +149,13 @@ class Owner:
         connect: Callable[[], psycopg.Connection[Any]],
         run: Callable[[Statement, dict[str, Any]], tuple[int, Any]],
         renew: Statement,
+        disown: Statement,
         timeout: float,
     ) -> None:
         self._connect = connect
         self._run = run
         self._renew = renew
+        self._disown = disown
         self._timeout = timeout
         self.id = new_owner_id()
         self.host = socket.gethostname()[:255]
@@ -274,8 +279,13 @@ class Owner:
                     self._take_lock(conn)
                     if not self.usable:
                         return
+                    verify_at = time.monotonic() + _VERIFY_SECONDS
                     while not self._stopping.is_set():
                         _watch(conn, _TICK_SECONDS)
+                        if time.monotonic() >= verify_at:
+                            verify_at = time.monotonic() + _VERIFY_SECONDS
+                            if not self._still_mine(conn):
+                                return
             except (psycopg.Error, OSError, ValueError) as exc:  # the socket ended under it
                 self._lost(exc)
             finally:
@@ -292,19 +302,38 @@ class Owner:
             if taken and taken[0]:
                 break
             time.sleep(0.05)
-        with bounded(conn, self._timeout):
-            mine = conn.execute(LOCK_IS_MINE, params, prepare=False).fetchone()
-        if not (mine and mine[0]):
-            self.usable = False
-            logger.warning(
-                "owner lock: the lock taken is not held by this session: this process runs"
-                " on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL to a direct URL"
-            )
+        if not self._still_mine(conn):
             return
         if self._said_lost:
             logger.info("owner lock taken again (owner %d)", self.id)
         self._said_lost = False
         self._holding.set()
+
+    def _still_mine(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether ``pg_locks`` shows the lock held by this connection's own session. Not
+        so (a transaction pooler put it on one of its server connections, and may close that
+        one any time): the process goes on with leases alone, and its claims in flight are
+        judged by their lease from now on (their ``owner_claim`` cleared), never by a lock
+        that may vanish while it lives."""
+        with bounded(conn, self._timeout):
+            mine = conn.execute(LOCK_IS_MINE, {"owner": self.id}, prepare=False).fetchone()
+        if mine and mine[0]:
+            return True
+        self.usable = False
+        self._holding.clear()
+        logger.warning(
+            "owner lock: the lock is not held by this session (a transaction pooler is in"
+            " between): this process runs on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL"
+            " to a direct URL"
+        )
+        with self._lock:
+            held = [claim.params for claim in self._held.values()]
+        if held:
+            try:
+                self._run(self._disown, _held_params(self.id, held, []))
+            except StoreError as exc:
+                logger.error("owner %d could not hand its claims to their leases: %s", self.id, exc)
+        return False
 
     def _lost(self, exc: BaseException) -> None:
         if not self._said_lost and not self._stopping.is_set():
@@ -359,18 +388,23 @@ class Owner:
             due = [held for held in self._held.values() if held.renew_at <= now]
         if not due:
             return
-        params = {
-            "owner": self.id,
-            "tenants": [held.params["tenant"] for held in due],
-            "keys": [held.params["key"] for held in due],
-            "attempts": [held.params["attempt"] for held in due],
-            "generations": [held.params["generation"] for held in due],
-            "leases": [held.lease for held in due],
-        }
+        params = _held_params(self.id, [held.params for held in due], [held.lease for held in due])
         self._run(self._renew, params)
         with self._lock:
             for held in due:
                 held.renew_at = now + held.lease / 3
+
+
+def _held_params(owner: int, held: list[dict[str, Any]], leases: list[float]) -> dict[str, Any]:
+    """The parameters of a statement over claims in flight (RENEW, DISOWN)."""
+    return {
+        "owner": owner,
+        "tenants": [claim["tenant"] for claim in held],
+        "keys": [claim["key"] for claim in held],
+        "attempts": [claim["attempt"] for claim in held],
+        "generations": [claim["generation"] for claim in held],
+        "leases": leases,
+    }
 
 
 def _watch(conn: psycopg.Connection[Any], seconds: float) -> None:

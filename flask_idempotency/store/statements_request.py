@@ -273,3 +273,15 @@ FROM (
 ) AS mine
 WHERE k.tenant = mine.tenant AND k.key = mine.key
 """
+
+# An owner whose lock turned out not to be its own session's (a transaction pooler): its
+# claims in flight are judged by their lease from now on (owner_claim cleared; RENEW goes
+# on renewing them by owner_id).
+DISOWN = """
+UPDATE {table} AS k SET owner_claim = NULL
+FROM unnest(%(tenants)s::text[], %(keys)s::text[], %(attempts)s::integer[],
+            %(generations)s::bigint[]) AS held (tenant, key, attempt, generation)
+WHERE (k.tenant, k.key, k.attempt, k.generation)
+    = (held.tenant, held.key, held.attempt, held.generation)
+  AND k.owner_id = %(owner)s
+"""

@@ -388,3 +388,35 @@ def test_a_process_ending_under_run_once_stores_nothing_and_leaves_the_claim_to_
     owner_of(dying).stop()
     with alive.app_context():
         assert alive.extensions["idempotency"].extension.run_once(key, effect) == 2
+
+
+def test_a_lock_not_held_by_its_own_session_hands_the_claims_to_their_leases(
+    make_app: Callable[..., Flask], db: DB, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind a transaction pooler the lock may sit on a server connection that the pooler
+    closes while the process lives: once the owner finds its lock not its own session's,
+    its claims in flight are judged by their lease (never by that lock), and it runs on
+    leases alone."""
+    from flask_idempotency.store import owner as owner_module
+
+    monkeypatch.setattr(owner_module, "_VERIFY_SECONDS", 0.2)
+    worker, other = make_app(), make_app()
+    thread, proceed, results = hold_first(worker, key)
+    try:
+        owner = owner_of(worker)
+        assert owner_row(db, key)[2] == owner.id
+        monkeypatch.setattr(owner_module, "LOCK_IS_MINE", "SELECT false")  # as a pooler would
+        wait_until(lambda: not owner.usable, 10)
+        claim = db.execute(
+            "SELECT owner_claim FROM idempotency_keys WHERE key = %s", [key]
+        ).fetchone()
+        assert claim == (None,)  # judged by its lease from now on
+        owner.stop()  # even its lock gone now, the claim is not taken over
+        retry = post(other.test_client(), "/payments", key)
+        assert retry.status_code == 409, retry.get_json()
+        assert worker.extensions["idempotency"].store.owner is None  # leases alone
+    finally:
+        proceed.set()
+        thread.join(20)
+    assert results["first"].status_code == 201
+    assert executions(db, key) == 1
