@@ -177,8 +177,8 @@ class Execution:
         claims are judged by their lease alone: ``IDEMPOTENCY_OWNER_LOCK = False``, or a
         store behind a transaction pooler (``IDEMPOTENCY_PREPARED_STATEMENTS = False``)
         without ``IDEMPOTENCY_OWNER_DATABASE_URL`` (said once in the log)."""
-        owner = self._owner
-        if owner is not None and owner.pid == os.getpid():
+        owner = self._live_owner()
+        if owner is not None:
             return owner if owner.usable else None
         settings = self.settings
         pooled = not settings.prepared_statements and not settings.owner_database_url
@@ -208,6 +208,12 @@ class Execution:
                     settings.statement_timeout,
                 )
             return self._owner
+
+    def _live_owner(self) -> Owner | None:
+        """This process's owner, if it made one already (one inherited through ``fork()``
+        is its parent's); never makes one."""
+        owner = self._owner
+        return owner if owner is not None and owner.pid == os.getpid() else None
 
     def owner_mark(self) -> OwnerMark:
         """What a claim or a reservation records of its owner (SPEC §20): the owner id
@@ -277,8 +283,8 @@ class Execution:
     def close(self) -> None:
         """Close the pool this store opened (a pool passed in is the caller's to close),
         and stop a background index build (cancelled: the next start builds it again)."""
-        owner = self._owner
-        if owner is not None and owner.pid == os.getpid():
+        owner = self._live_owner()
+        if owner is not None:
             owner.stop()
         self._owner = None
         builder, building = self._builder, self._building

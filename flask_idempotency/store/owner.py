@@ -64,6 +64,16 @@ _VERIFY_SECONDS = 5.0
 APPLICATION_NAME = "flask-idempotency owner"
 
 
+#: SQL over a keys row: a claim or a reservation that an owner lock speaks for, made since
+#: the server's current start (a restart ends every session: older ones are judged by their
+#: lease). ``owner_claim = generation + attempt``: a later claim by a release without owners
+#: leaves the column behind, and is never judged by that stale owner.
+OWNED = (
+    "owner_id IS NOT NULL AND owner_claim = generation + attempt"
+    " AND updated_at >= pg_postmaster_start_time()"
+)
+
+
 def lock_free(owner: str) -> str:
     """SQL: true when no session holds the owner lock *owner* (an SQL expression of the
     owner id) in this database. Read from ``pg_locks``, never by taking the lock: a session

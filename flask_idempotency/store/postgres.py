@@ -11,7 +11,6 @@ pool and the execution path are :mod:`.execution`'s.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -174,16 +173,16 @@ class PostgresStore(Execution):
     ) -> None:
         """The owner renews the claim *outcome* (its attempt and generation) until it
         ends (:meth:`finish`, :meth:`forget`, :meth:`defer`)."""
-        owner = self._owner
-        if owner is not None and owner.pid == os.getpid():
+        owner = self._live_owner()
+        if owner is not None:
             owner.hold(_fence(tenant, key, outcome), lease)
 
     def leave_to_death(self, tenant: str, key: str, outcome: ClaimOutcome) -> None:
         """The process ends under the claim *outcome* (``SystemExit``: gunicorn's worker
         timeout, a shutdown): nothing is stored and the owner stops renewing it, so the
         owner lock frees it when the process is gone (or its lease, should it live on)."""
-        owner = self._owner
-        if owner is not None and owner.pid == os.getpid():
+        owner = self._live_owner()
+        if owner is not None:
             owner.let_go(_fence(tenant, key, outcome))
 
     def claim_pinned(
@@ -278,7 +277,7 @@ class PostgresStore(Execution):
 
         :raises AnswerKept: it failed and is kept.
         """
-        owner = self._owner if pinned is None else None
+        owner = self._live_owner() if pinned is None else None
         try:
             yield
         except StoreError as exc:
@@ -332,8 +331,9 @@ class PostgresStore(Execution):
         self.run(self._defers[bool(jobs)], params, pinned)
         if pinned is not None:
             pinned.commit()
-        if self._owner is not None:
-            self._owner.let_go(params)  # the background's now
+        owner = self._live_owner()
+        if owner is not None:
+            owner.let_go(params)  # the background's now
 
     def key_status(self, tenant: str, key: str) -> KeyAnswer | None:
         """A key's status, stored response (opened if sealed) and ``expires_at`` (the

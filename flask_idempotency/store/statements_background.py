@@ -9,7 +9,7 @@ and run it through the store's one execution path.
 
 from __future__ import annotations
 
-from .owner import lock_free
+from .owner import OWNED, lock_free
 
 # -- the completer ----------------------------------------------------------------
 
@@ -296,11 +296,6 @@ SELECT count(*), count(*) FILTER (WHERE status = 'unknown') FROM marked
 # its claim's, see FINISH)
 LEASE = "CASE WHEN status = 'processing' THEN locked_until END AS locked_until"
 
-# A claim in flight that an owner lock speaks for (SPEC §20), made since the server's start.
-OWNED = (
-    "owner_id IS NOT NULL AND owner_claim = generation + attempt"
-    " AND updated_at >= pg_postmaster_start_time()"
-)
 
 # What a person is told of a claim's owner: 'alive' (its lock is held), 'gone' (its session
 # ended: the claim is abandoned at the next look that finds it still free), 'lease' (no

@@ -8,7 +8,7 @@ once and runs it through its one execution path.
 
 from __future__ import annotations
 
-from .owner import lock_free
+from .owner import OWNED, lock_free
 
 # The request path's statements (CLAIM, FINISH, ADVANCE) take durations as seconds
 # (a float): cheaper to send than an interval.
@@ -34,13 +34,10 @@ WITH seen AS (
            extract(epoch FROM now() - updated_at) AS idle_for,
            extract(epoch FROM locked_until - now()) AS lease_left,
            owner_id,
-           -- the owner lock speaks for this claim (SPEC §20): a claim in its lease,
-           -- recorded by its owner (a release without owners, or a takeover by one, left
-           -- owner_claim behind), made since the server's current start (a restart ends
-           -- every session: such claims are judged by their lease alone)
-           status = 'processing' AND locked_until > now() AND owner_id IS NOT NULL
-               AND owner_claim = generation + attempt
-               AND updated_at >= pg_postmaster_start_time() AS owned
+           -- the owner lock speaks for this claim in its lease (SPEC §20, owner.OWNED)
+           status = 'processing' AND locked_until > now() AND """
+    + OWNED
+    + """ AS owned
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), owner AS (
     -- the owner lock, looked at only when this claim meets another's in flight: free
