@@ -18,6 +18,7 @@ on an empty database, answering a POST with a key and its replay.
 from __future__ import annotations
 
 import ast
+import http.client
 import os
 import re
 import shlex
@@ -236,6 +237,9 @@ class Served:
     #: the page whose blocks are the module, and whose ``bash`` block says how to serve it
     #: (its ``flask`` lines run first, its ``gunicorn`` line names the app)
     page: str = ""
+    #: the page's module is its runnable blocks up to the one that defines ``create_app``;
+    #: with *replaced*, that block alone (the page's later, whole version of the file)
+    replaced: bool = False
     #: or a folder of the docs holding the module, and the app as gunicorn takes it
     folder: str = ""
     app: str = ""
@@ -244,32 +248,47 @@ class Served:
         if self.folder:
             shutil.copytree(DOCS / self.folder, project, dirs_exist_ok=True)
             return
-        code = []
-        for block in python_blocks(DOCS / self.page):
-            if block.runnable:
-                code.append(block.code)
-                if "def create_app(" in block.code:
-                    break
+        blocks = [b.code for b in python_blocks(DOCS / self.page) if b.runnable]
+        for code in blocks:
+            if code.startswith(f"# {GUNICORN_CONF}\n"):  # the page's gunicorn.conf.py
+                (project / GUNICORN_CONF).write_text(code, encoding="utf-8")
+        defining = [i for i, code in enumerate(blocks) if "def create_app(" in code]
+        assert defining, f"{self.page}: no block defines create_app"
+        if self.replaced:  # the last version of the file, written whole
+            module = blocks[defining[-1]]
         else:
-            raise AssertionError(f"{self.page}: no block defines create_app")
-        (project / self.module).write_text("\n".join(code), encoding="utf-8")
+            module = "\n".join(blocks[: defining[0] + 1])
+        (project / self.module).write_text(module, encoding="utf-8")
 
-    def steps(self) -> tuple[list[list[str]], str]:
-        """The ``flask`` commands the page runs before serving, and the app gunicorn serves
-        (with the two workers the page says)."""
+    def steps(self, project: Path) -> tuple[list[list[str]], str, Path | None]:
+        """The ``flask`` commands the page runs before serving (not ``flask run``, each
+        once), the app gunicorn serves, and the configuration file it is started with."""
         if self.folder:
-            return [], self.app
+            return [], self.app, None
         text = (DOCS / self.page).read_text(encoding="utf-8")
         lines = [
             shlex.split(line, comments=True)
             for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
-            for line in block.splitlines()
+            for line in block.replace("\\\n", " ").splitlines()  # continued lines joined
         ]
-        commands = [line for line in lines if line[:1] == ["flask"]]
+        commands: list[list[str]] = []
+        for line in lines:
+            if line[:1] == ["flask"] and "run" not in line and line not in commands:
+                commands.append(line)
         served = [line for line in lines if line[:1] == ["gunicorn"]]
         assert len(served) == 1, f"{self.page}: one gunicorn command, not {served}"
+        if served[0][1:] == ["-c", GUNICORN_CONF]:  # the app is the file's wsgi_app
+            config = project / GUNICORN_CONF
+            settings: dict[str, Any] = {}
+            exec(config.read_text(encoding="utf-8"), settings)
+            assert settings["preload_app"] is True  # what the page says is safe: tested
+            return commands, settings["wsgi_app"], config
         assert "--workers" in served[0] and served[0][served[0].index("--workers") + 1] == "2"
-        return commands, served[0][-1]
+        return commands, served[0][-1], None
+
+
+#: a page's gunicorn configuration file: the block whose first line is ``# gunicorn.conf.py``
+GUNICORN_CONF = "gunicorn.conf.py"
 
 
 #: the how-tos whose app serves
@@ -280,6 +299,14 @@ SERVED: dict[str, Served] = {
         path="/orders",
         body={"amount": 1000},
         headers={"X-Account": "acme"},
+    ),
+    "tutorial": Served(
+        module="payments.py",
+        page="tutorial/first-route.md",
+        replaced=True,  # "Replace payments.py with this version"
+        path="/payments",
+        body={"amount": 1000},
+        headers={"Authorization": "Bearer sk_test_acme"},
     ),
     "testing-example": Served(
         module="payments.py",
@@ -305,7 +332,7 @@ def test_howto_apps_serve_under_gunicorn_with_two_workers(
     project = tmp_path / "project"
     project.mkdir()
     served.write(project)
-    commands, app = served.steps()
+    commands, app, config = served.steps(project)
     env = {"DATABASE_URL": page_database}
     for command in commands:
         done = subprocess.run(
@@ -317,7 +344,8 @@ def test_howto_apps_serve_under_gunicorn_with_two_workers(
             timeout=60,
         )
         assert done.returncode == 0, f"{shlex.join(command)}:\n{done.stdout}{done.stderr}"
-    server = start_gunicorn(app, env=env, workers=2, cwd=project)
+    # two workers, on a free port of loopback, whatever the page's configuration file says
+    server = start_gunicorn(app, env=env, workers=2, cwd=project, config=config)
     server.wait_for_workers()
     key = f"served-{uuid.uuid4()}"
     first = post(server.port, served.path, key, served.body, headers=served.headers)
@@ -329,6 +357,46 @@ def test_howto_apps_serve_under_gunicorn_with_two_workers(
     assert server.process is not None and server.process.poll() is None, log
     assert "Worker failed to boot" not in log and "Traceback" not in log, log
     assert len(server.worker_pids()) == 2, log
+
+
+def test_metrics_recipe_counts_every_worker(
+    page_database: str, tmp_path: Path, start_gunicorn: Callable[..., GunicornServer]
+) -> None:
+    """The metrics how-to's multiprocess recipe as a reader serves it: its ``gunicorn.conf.py``
+    and ``payments.py``, two workers; keys answered by both, then one scrape: the counters of
+    both workers, summed, and the gauge once."""
+    page = DOCS / "howto" / "metrics.md"
+    blocks = [b.code for b in python_blocks(page) if not b.runnable]
+    (config,) = [code for code in blocks if code.startswith(f"# {GUNICORN_CONF}")]
+    (module,) = [code for code in blocks if "multiprocess.MultiProcessCollector" in code]
+    directory = tmp_path / "prometheus"
+    assert '"/run/payments/prometheus"' in config
+    project = tmp_path / "project"
+    project.mkdir()
+    conf = project / GUNICORN_CONF
+    conf.write_text(config.replace("/run/payments/prometheus", str(directory)), encoding="utf-8")
+    (project / "payments.py").write_text(module, encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
+    assert f"gunicorn -c {GUNICORN_CONF} --workers 2 payments:app" in text
+    server = start_gunicorn(
+        "payments:app", env={"DATABASE_URL": page_database}, workers=2, cwd=project, config=conf
+    )
+    workers = server.wait_for_workers()
+    keys = 0
+    while {int(f.stem.rsplit("_", 1)[1]) for f in directory.glob("counter_*.db")} != workers:
+        assert keys < 200, f"the keys of {keys} requests went to one worker"
+        keys += 1
+        first = post(server.port, "/payments", f"metrics-{keys}", {})
+        again = post(server.port, "/payments", f"metrics-{keys}", {})
+        assert (first.status, again.status, again.replayed) == (201, 201, True)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/metrics")
+    scraped = conn.getresponse().read().decode()
+    conn.close()
+    assert f'idempotency_decisions_total{{decision="claimed"}} {keys}.0' in scraped, scraped
+    assert f'idempotency_decisions_total{{decision="replayed"}} {keys}.0' in scraped, scraped
+    assert scraped.count("# TYPE idempotency_stuck_keys gauge") == 1, scraped
+    assert "Traceback" not in server.log_tail(100_000)
 
 
 # -- the README, the project's front page -------------------------------------------------
