@@ -269,7 +269,7 @@ def entry_point(tmp_path: Path) -> Path:
 
 
 def run_project(
-    pytester: pytest.Pytester, site: Path, env: dict[str, str], *args: str
+    pytester: pytest.Pytester, site: Path, env: dict[str, str], *args: str, timeout: float = 110
 ) -> pytest.RunResult:
     full_env = {k: v for k, v in os.environ.items() if k != DATABASE_URL_ENV}
     full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]))
@@ -282,7 +282,7 @@ def run_project(
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=timeout,
     )
     print(done.stdout, done.stderr, sep="\n")  # shown when the test fails
     return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0)
