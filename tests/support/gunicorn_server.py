@@ -11,19 +11,17 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flask_idempotency.testing.postgres import free_port
-from flask_idempotency.testing.service import Service
+from flask_idempotency.testing import gunicorn_server as processes
+from flask_idempotency.testing.gunicorn_server import children_of as children_of
+from flask_idempotency.testing.gunicorn_server import ppid_of as ppid_of
+from flask_idempotency.testing.postgres import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = "application/problem+json"
@@ -31,35 +29,10 @@ PROBLEM = "application/problem+json"
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
     """Poll *condition* until it returns something truthy (returned); fail after *timeout* s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-
-
-def ppid_of(pid: int) -> int | None:
-    """The parent pid of a live (not zombie) process, or None."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[1])
-
-
-def children_of(pid: int) -> set[int]:
-    """The live child processes of *pid*."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and ppid_of(int(entry)) == pid:
-            found.add(int(entry))
-    return found
+        return processes.wait_until(condition, timeout, what, step)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def tcp_connections(pid: int) -> list[tuple[int, int]]:
@@ -188,12 +161,13 @@ def race(
     return answers
 
 
-class GunicornServer(Service):
-    """``python -m gunicorn APP`` on a free port of 127.0.0.1, in a subprocess.
+class GunicornServer(processes.GunicornServer):
+    """``python -m gunicorn APP`` on a free port of 127.0.0.1, in a subprocess
+    (:class:`flask_idempotency.testing.gunicorn_server.GunicornServer`).
 
     The environment is the test process's plus *env*; ``PYTHONPATH`` holds the repository
     root, so ``tests.apps.e2e_app:create_app()`` and ``example.app:create_app()`` both load.
-    Output goes to *log_path*. Usable as a context manager.
+    With *ready_path*, :meth:`start` waits until a worker answers a GET on it with 200.
     """
 
     def __init__(
@@ -202,89 +176,31 @@ class GunicornServer(Service):
         *,
         log_path: Path,
         env: Mapping[str, str] | None = None,
-        workers: int = 3,
-        worker_class: str = "sync",
-        threads: int = 1,
-        preload: bool = False,
-        config: Path | None = None,
-        timeout: int = 60,
         ready_path: str | None = None,
-        extra_args: Sequence[str] = (),
         cwd: Path | None = None,
+        **options: Any,
     ) -> None:
-        self.app = app
-        #: the processes' working directory: ``python -m`` puts it first on sys.path, before
-        #: PYTHONPATH (a previous release's code is served from its own directory)
-        self.cwd = cwd or ROOT
-        self.log_path = log_path
-        self.workers = workers
-        self.worker_class = worker_class
-        self.threads = threads
-        self.preload = preload
-        self.ready_path = ready_path
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
         python_path = [str(ROOT)]
         if os.environ.get("PYTHONPATH"):
             python_path.append(os.environ["PYTHONPATH"])
-        self.env = {
+        environment = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "E2E_"))},
             "PYTHONPATH": os.pathsep.join(python_path),
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
-        self.command = [sys.executable, "-m", "gunicorn"]
-        if config is not None:
-            self.command += ["-c", str(config)]
-        self.command += [
-            *("--workers", str(workers)),
-            *("--worker-class", worker_class),
-            *("--threads", str(threads)),
-            *("--bind", f"127.0.0.1:{self.port}"),
-            *("--timeout", str(timeout)),
-            *("--graceful-timeout", "5"),
-            *("--access-logfile", "/dev/null"),
-            *("--error-logfile", "-"),
-            *(["--preload"] if preload else []),
-            *extra_args,
-            app,
-        ]
-
-    @property
-    def pid(self) -> int:
-        """The master's pid."""
-        assert self.process is not None, "not started"
-        return self.process.pid
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        # a previous release's code is served from its own directory (first on sys.path)
+        super().__init__(app, log_path=log_path, env=environment, cwd=cwd or ROOT, **options)
+        self.ready_path = ready_path
 
     def start(self, timeout: float = 60) -> None:
-        """Start the master and wait until it accepts connections (and, with *ready_path*,
-        until a worker answers a GET on it with 200)."""
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self._ready():
-                    return
-            except OSError:
-                pass
-            if self.process.poll() is not None:
-                raise AssertionError(
-                    f"gunicorn exited with {self.process.returncode}:\n{self.log_tail()}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"gunicorn not ready after {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.05)
+        try:
+            super().start(timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError(str(exc)) from None
 
-    def _ready(self) -> bool:
-        socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+    def ready(self) -> bool:
+        self.accepts()
         if self.ready_path is None:
             return True
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -296,42 +212,10 @@ class GunicornServer(Service):
         finally:
             conn.close()
 
-    def worker_pids(self) -> set[int]:
-        """The pids of the master's live workers."""
-        return children_of(self.pid)
-
-    def wait_for_workers(self, timeout: float = 30, exclude: set[int] | None = None) -> set[int]:
-        """Wait until the master has all its workers, none of them in *exclude*."""
-
-        def full() -> set[int] | None:
-            pids = self.worker_pids()
-            ok = len(pids) == self.workers and not (pids & (exclude or set()))
-            return pids if ok else None
-
-        pids: set[int] = wait_until(full, timeout, f"{self.workers} gunicorn workers")
-        return pids
-
-    def stop(self) -> None:
-        """SIGTERM the master and wait for it; SIGKILL it and its workers if it hangs."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            workers = self.worker_pids()
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                for pid in workers | {process.pid}:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                process.wait(10)
-        self.process = None
-
-    def log_tail(self, chars: int = 4000) -> str:
+    def wait_for_workers(
+        self, timeout: float = 30, exclude: set[int] | frozenset[int] = frozenset()
+    ) -> set[int]:
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return "(no log)"
+            return super().wait_for_workers(timeout, exclude)
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError(str(exc)) from None
