@@ -42,7 +42,7 @@ from .pool import (
     store_errors,
     warn_unprepared,
 )
-from .replication import REPLICATION, Replication, ReplicationCheck
+from .replication import NO_ADVISORY_LOCKS, REPLICATION, Replication, ReplicationCheck
 from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
@@ -364,8 +364,8 @@ class Execution:
 
     def _replicas(self) -> Replication:
         """What the server the pool writes to says of its standbys (:mod:`.replication`)."""
-        standbys, synchronous, server = self.fetch(self._replication, {}, prepare=False).rows[0]
-        return Replication(standbys, synchronous, server)
+        row = self.fetch(self._replication, {}, prepare=False).rows[0]
+        return Replication(*row)
 
     def wait_for_schema(self, timeout: float) -> bool:
         """Wait until the background build of the tables' indexes (if any) ended; True
@@ -387,6 +387,9 @@ class Execution:
         schema.
         """
         with self.pool.connection() as conn:
+            server = Replication(*conn.execute(REPLICATION, prepare=False).fetchone())
+            if not server.advisory_locks:  # before anything is made
+                raise StoreError(NO_ADVISORY_LOCKS.format(server=server.server), outage=False)
             return self.schema.create(conn)
 
     def _recoverable(self, exc: BaseException | None) -> bool:

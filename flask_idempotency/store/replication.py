@@ -1,4 +1,11 @@
-"""The check of the server the store writes to: does a commit wait for a standby?
+"""The checks of the server the store writes to, at each process's first claim: do its
+advisory locks work, and does a commit wait for a standby?
+
+An engine that speaks PostgreSQL's protocol but only emulates its advisory locks
+(``pg_try_advisory_xact_lock`` answers true and locks nothing) would let twins run a view
+twice and judge every live owner dead (SPEC §20, §22): such a server is refused, always
+(503, nothing runs; ``flask idempotency-init`` exits with the reason). A lock taken is
+looked for in ``pg_locks`` within the same statement.
 
 A failover to an asynchronous standby forgets the last commits the old primary
 acknowledged: a stored answer (its retry runs the view again) or a claim. At its first
@@ -27,7 +34,7 @@ from collections.abc import Callable
 
 from ..errors import StoreError
 
-__all__ = ["REPLICATION", "Replication", "ReplicationCheck"]
+__all__ = ["NO_ADVISORY_LOCKS", "REPLICATION", "Replication", "ReplicationCheck"]
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -40,6 +47,10 @@ REFRESH_SECONDS = 30.0
 #: the physical standbys streaming from this server (logical walsenders, a CDC
 #: consumer's, are no standbys), and whether a commit waits for a synchronous one
 REPLICATION = """
+WITH probe AS MATERIALIZED (  -- a lock of a random id: no other process holds it
+    SELECT id, pg_try_advisory_xact_lock(id) AS took
+    FROM (SELECT floor(random() * 4611686018427387904)::bigint AS id OFFSET 0) AS random_id
+)
 SELECT
     (SELECT count(*) FROM pg_stat_replication AS r
       WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_replication_slots AS s
@@ -48,8 +59,21 @@ SELECT
     current_setting('synchronous_standby_names') <> ''
       AND current_setting('synchronous_commit') NOT IN ('off', 'local') AS synchronous,
     coalesce(host(inet_server_addr()), 'local socket')
-      || ':' || current_setting('port') AS server
+      || ':' || current_setting('port') AS server,
+    (SELECT CASE WHEN took THEN EXISTS (
+         SELECT FROM pg_locks
+         WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
+           AND classid = (id >> 32)::oid AND objid = (id & 4294967295)::oid)
+     ELSE false END FROM probe) AS advisory_locks
 """
+
+#: why a server whose advisory locks do not work is refused
+NO_ADVISORY_LOCKS = (
+    "the PostgreSQL server {server} has no working advisory locks: pg_try_advisory_xact_lock()"
+    " answered without a lock in pg_locks (an engine that emulates PostgreSQL, or a function"
+    " of that name before pg_catalog in the search_path). flask-idempotency decides who runs"
+    " a key's view with them: not serving"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +86,8 @@ class Replication:
     synchronous: bool
     #: ``address:port``, for the log
     server: str
+    #: ``pg_try_advisory_xact_lock`` took a lock that ``pg_locks`` shows
+    advisory_locks: bool = True
 
     @property
     def at_risk(self) -> bool:
@@ -106,9 +132,9 @@ class ReplicationCheck:
             with self._lock:  # the first question: every request waits for its answer
                 if self._next == 0.0:
                     self._update(self._ask())
-        elif (self.required and time.monotonic() >= self._next) and self._lock.acquire(
-            blocking=False
-        ):
+        elif (
+            (self.required or self._refusal is not None) and time.monotonic() >= self._next
+        ) and self._lock.acquire(blocking=False):
             try:  # a later one: one request asks, the others go on with what is known
                 self._update(self._ask())
             finally:
@@ -118,6 +144,16 @@ class ReplicationCheck:
             raise StoreError(refusal, outage=True, fail_open=False)
 
     def _update(self, found: Replication) -> None:
+        no_locks = NO_ADVISORY_LOCKS.format(server=found.server)
+        if not found.advisory_locks:
+            if self._refusal != no_locks:
+                logger.error(no_locks)
+            self._refusal = no_locks
+            self._next = time.monotonic() + RECHECK_SECONDS
+            return
+        if self._refusal == no_locks:  # another server now (a failover): asked afresh
+            logger.warning("the PostgreSQL server %s has advisory locks: serving", found.server)
+            self._refusal = None
         if found.at_risk and not self._warned:
             self._warned = True
             logger.warning(
