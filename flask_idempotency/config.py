@@ -66,6 +66,17 @@ def _str(value: Any, key: str) -> str:
     return value
 
 
+def _table_or_none(value: Any, key: str) -> str | None:
+    """A table's name (``name`` or ``schema.name``), or None (unset)."""
+    if value is None or value == "":
+        return None
+    name = _str(value, key)
+    parts = name.split(".")
+    if not 1 <= len(parts) <= 2 or "" in parts:
+        raise ConfigError(f"{key} must be 'name' or 'schema.name', got {value!r}.")
+    return name
+
+
 #: a URL's scheme (``mysql://`` ...): libpq knows ``postgresql://`` and ``postgres://``
 _URL_SCHEME = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -376,6 +387,11 @@ class Settings:
     #: create the tables and indexes if missing (or upgrade an earlier release's
     #: online), once per process
     create_table: bool = option(True, _bool)
+    #: on Citus (SPEC §22): the app's distributed table (distributed by its tenant column,
+    #: of type text) that the keys, jobs and audit tables are co-located with, so that a
+    #: ``transactional=True`` view's writes to it and the key's row commit on one node;
+    #: unset: Citus's default co-location group for text columns (docs: "Citus")
+    colocate_with: str | None = option(None, _table_or_none)
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour
     reconcile_backoff: timedelta = option(5, _duration)

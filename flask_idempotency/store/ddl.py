@@ -146,14 +146,41 @@ SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclas
                AND NOT i.indisvalid),
        coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
        coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
-                 WHERE oid = to_regclass(%(table)s)), false)
+                 WHERE oid = to_regclass(%(table)s)), false),
+       EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')
 """
+
+# On a database with the citus extension (SPEC §22), asked after SCHEMA_STATE: whether
+# this node is the coordinator (only it creates distributed tables; queries and DML may
+# enter at any node once the metadata is synced), and which of the named tables are
+# distributed or reference tables already.
+CITUS_STATE = """
+SELECT citus_is_coordinator(),
+       ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name
+             WHERE to_regclass(name) IN (SELECT logicalrelid FROM pg_dist_partition))
+"""
+
+# The keys, jobs and audit tables are distributed by tenant: every statement of a request
+# names its tenant, so it runs on one shard. The keys table goes into the co-location
+# group of IDEMPOTENCY_COLOCATE_WITH (the app's table distributed by its tenant column) or
+# Citus's default one; jobs and audit follow the keys, so a statement that writes a key and
+# its jobs or its audit row stays on one shard. On a table with rows, Citus copies them
+# into the shards and blocks writes to the table meanwhile.
+DISTRIBUTE = (
+    "SELECT create_distributed_table(%(table)s::regclass, 'tenant', colocate_with => %(with)s)"
+)
+# The heartbeats (one row per command and host, written once a batch): on every node.
+REFERENCE = "SELECT create_reference_table(%(table)s::regclass)"
+#: the primary keys of the jobs and audit tables: on Citus, a unique constraint must hold
+#: the distribution column (tenant)
+JOBS_KEY, JOBS_KEY_DISTRIBUTED = "id", "tenant, id"
+AUDIT_KEY, AUDIT_KEY_DISTRIBUTED = "id", "tenant, id"
 
 # The payload is a JSON document kept as text: jsonb refuses \u0000 and lone surrogates,
 # which json.dumps writes as escapes that text keeps faithfully.
 JOBS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS {jobs} (
-    id uuid PRIMARY KEY,
+    id uuid NOT NULL,
     tenant text NOT NULL,
     key text NOT NULL,
     name text NOT NULL,
@@ -164,7 +191,8 @@ CREATE TABLE IF NOT EXISTS {jobs} (
     last_error text,
     created_at timestamptz NOT NULL DEFAULT now(),
     traceparent text,
-    seq bigint
+    seq bigint,
+    PRIMARY KEY ({jobs_key})
 );
 CREATE INDEX IF NOT EXISTS {jobs_due_index} ON {jobs} (due_at) WHERE NOT dead;
 """

@@ -131,7 +131,11 @@ class Execution:
         self._lock = threading.Lock()
         #: the table's schema objects (create, check, upgrade)
         self.schema = Schema(
-            settings.table, settings.jobs_table, settings.audit_table, settings.heartbeats_table
+            settings.table,
+            settings.jobs_table,
+            settings.audit_table,
+            settings.heartbeats_table,
+            settings.colocate_with,
         )
         self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)

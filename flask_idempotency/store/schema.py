@@ -38,15 +38,22 @@ from psycopg import errors, sql
 from ..keys import lock_id
 from .ddl import (
     ADD_COLUMN,
+    AUDIT_KEY,
+    AUDIT_KEY_DISTRIBUTED,
+    CITUS_STATE,
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,
+    DISTRIBUTE,
     DROP_INDEX_CONCURRENTLY,
     INDEXES,
+    JOBS_KEY,
+    JOBS_KEY_DISTRIBUTED,
     JOBS_ORDER_INDEX,
     JOBS_SCHEMA,
     JOBS_SEQ_COLUMN,
     LOCK_TIMEOUT,
     MARK_UNKNOWN_DUE,
+    REFERENCE,
     RETIRED_INDEXES,
     SCHEMA_STATE,
     SET_STORAGE,
@@ -82,6 +89,14 @@ class SchemaBusy(Exception):
     request may wait; nothing was changed."""
 
 
+class SchemaElsewhere(SchemaBusy):
+    """The schema lacks something that this node cannot make: a Citus worker, where a
+    table created would be a local table of that node, invisible to the others (SPEC §22).
+    The coordinator makes them (``flask idempotency-init`` against it, or a process
+    connected to it); until then, a request through the worker is answered as when the
+    schema is busy (503), never served unprotected."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SchemaState:
     """What exists of the schema objects, as :data:`~.ddl.SCHEMA_STATE` reads it."""
@@ -98,6 +113,12 @@ class SchemaState:
     owned: bool
     #: the jobs table's columns
     job_columns: frozenset[str] = frozenset()
+    #: the database has the citus extension (SPEC §22)
+    citus: bool = False
+    #: this node may create tables (always, without Citus; on Citus, the coordinator)
+    coordinator: bool = True
+    #: the to_regclass names of the tables that are distributed (or reference) tables
+    distributed: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +142,12 @@ class Schema:
         jobs_table: str = "idempotency_jobs",
         audit_table: str = "idempotency_audit",
         heartbeats_table: str = "idempotency_heartbeats",
+        colocate_with: str | None = None,
     ) -> None:
         self.name = table
+        #: on Citus: the app's distributed table the keys are co-located with (None:
+        #: Citus's default co-location group)
+        self.colocate_with = colocate_with
         parts = table.split(".")
         #: the table, quoted as needed
         self.table = sql.Identifier(*parts)
@@ -175,6 +200,8 @@ class Schema:
         self.retired_unknown_index = self._regclass[f"{name}_unknown_idx"]
         self._jobs_lock = lock_id("schema", jobs_table)
         self.steps: list[Step] = [
+            # on Citus, before anything else: a step after it runs on the distributed table
+            Step("distributed by tenant", self._lacks_distribution, self._distribute),
             Step("columns", self._lacks_columns, self._add_columns),
             Step("jobs table", self._lacks_jobs, self._create_jobs),
             Step("jobs columns", self._lacks_job_columns, self._add_job_columns),
@@ -218,7 +245,13 @@ class Schema:
         }
         row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
         assert row is not None
-        missing, columns, job_columns, invalid, options, owned = row
+        missing, columns, job_columns, invalid, options, owned, citus = row
+        coordinator, distributed = True, []
+        if citus:
+            names = [self._regclass[part] for part in self._table_regclass.values()]
+            found = conn.execute(CITUS_STATE, {"names": names}, prepare=False).fetchone()
+            assert found is not None
+            coordinator, distributed = found
         return SchemaState(
             frozenset(missing),
             frozenset(columns),
@@ -226,6 +259,9 @@ class Schema:
             frozenset(options),
             owned,
             frozenset(job_columns),
+            citus,
+            coordinator,
+            frozenset(distributed),
         )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
@@ -234,6 +270,10 @@ class Schema:
         return not self._work(self.state(conn))
 
     def _work(self, state: SchemaState, kinds: frozenset[str] = ALL_KINDS) -> list[Step]:
+        if not state.coordinator:
+            # A Citus worker changes nothing: what it lacks to serve, the coordinator
+            # makes (_apply says so); indexes and settings are the coordinator's too.
+            kinds = kinds & {SERVE}
         return [step for step in self.steps if step.kind in kinds and step.needed(state)]
 
     def _missing(self, state: SchemaState) -> bool:
@@ -310,6 +350,12 @@ class Schema:
         stop: threading.Event | None = None,
     ) -> bool:
         """Run the needed steps of *kinds* (holding the schema lock); True if DDL ran."""
+        if not state.coordinator:
+            raise SchemaElsewhere(
+                f"table {self.name} (or one of its companions, or one of their columns) is"
+                " missing, and this node is a Citus worker: tables made here would be local"
+                " to it. Run flask idempotency-init against the coordinator."
+            )
         created = self._missing(state)
         if created:
             self._create_all(conn, state)
@@ -419,6 +465,41 @@ class Schema:
                 )
                 time.sleep(0.1)
 
+    def _citus(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the database has the citus extension (the tables are made for it)."""
+        return self.state(conn).citus
+
+    def _lacks_distribution(self, state: SchemaState) -> bool:
+        return bool(self._undistributed(state))
+
+    def _undistributed(self, state: SchemaState) -> list[str]:
+        """On Citus, the tables that exist and are not distributed yet, keys first (the
+        others are co-located with it); [] without Citus."""
+        if not state.citus:
+            return []
+        names = [self._regclass[part] for part in self._table_regclass.values()]
+        return [n for n in names if n not in state.missing and n not in state.distributed]
+
+    def _distribute(self, conn: psycopg.Connection[Any]) -> None:
+        """The keys, jobs and audit tables distributed by tenant, the keys co-located
+        with ``IDEMPOTENCY_COLOCATE_WITH`` (or in Citus's default group) and the other two
+        with the keys; the heartbeats a reference table (SPEC §22)."""
+        state = self.state(conn)
+        table, jobs, audit, heartbeats = (
+            self._regclass[part] for part in ("table", "jobs", "audit", "heartbeats")
+        )
+        colocate = {
+            table: self.colocate_with or "default",
+            jobs: self._regclass["table"],
+            audit: self._regclass["table"],
+        }
+        for name in self._undistributed(state):
+            if name == heartbeats:
+                conn.execute(REFERENCE, {"table": name}, prepare=False)
+            else:
+                conn.execute(DISTRIBUTE, {"table": name, "with": colocate[name]}, prepare=False)
+            logger.info("distributed table %s on Citus", name)
+
     def _lacks_jobs(self, state: SchemaState) -> bool:
         return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)
 
@@ -433,7 +514,9 @@ class Schema:
             ).fetchone()
             conn.execute(
                 sql.SQL(JOBS_SCHEMA).format(
-                    jobs=self.jobs, jobs_due_index=sql.Identifier(self._jobs_index)
+                    jobs=self.jobs,
+                    jobs_due_index=sql.Identifier(self._jobs_index),
+                    jobs_key=sql.SQL(JOBS_KEY_DISTRIBUTED if self._citus(conn) else JOBS_KEY),
                 ),
                 prepare=False,
             )
@@ -492,7 +575,9 @@ class Schema:
         # database: another app may create them right now.
         with _unless_created_meanwhile(), conn.transaction():
             audit = sql.SQL(AUDIT_SCHEMA).format(
-                audit=self.audit, audit_key_index=sql.Identifier(self._audit_index)
+                audit=self.audit,
+                audit_key_index=sql.Identifier(self._audit_index),
+                audit_key=sql.SQL(AUDIT_KEY_DISTRIBUTED if self._citus(conn) else AUDIT_KEY),
             )
             conn.execute(audit, prepare=False)
             heartbeats = sql.SQL(HEARTBEATS_SCHEMA).format(heartbeats=self.heartbeats)

@@ -16,7 +16,7 @@ from .statements_background import DEFERRED, LEASE, OWNER_STATE, RESOLVE_KEY
 # the row keeps whatever the operator named; payload is the job's JSON text.
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS {audit} (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint GENERATED ALWAYS AS IDENTITY,
     at timestamptz NOT NULL DEFAULT now(),
     actor text NOT NULL,
     action text NOT NULL
@@ -28,7 +28,8 @@ CREATE TABLE IF NOT EXISTS {audit} (
     status_after text,
     reason text,
     job_name text,
-    payload text
+    payload text,
+    PRIMARY KEY ({audit_key})
 );
 CREATE INDEX IF NOT EXISTS {audit_key_index} ON {audit} (tenant, key, id);
 """
