@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from flask import Flask
@@ -407,10 +408,14 @@ def test_a_lock_not_held_by_its_own_session_hands_the_claims_to_their_leases(
         assert owner_row(db, key)[2] == owner.id
         monkeypatch.setattr(owner_module, "LOCK_IS_MINE", "SELECT false")  # as a pooler would
         wait_until(lambda: not owner.usable, 10)
-        claim = db.execute(
-            "SELECT owner_claim FROM idempotency_keys WHERE key = %s", [key]
-        ).fetchone()
-        assert claim == (None,)  # judged by its lease from now on
+
+        def claim() -> Any:
+            return db.execute(
+                "SELECT owner_claim FROM idempotency_keys WHERE key = %s", [key]
+            ).fetchone()
+
+        # judged by its lease from now on (DISOWN runs right after the owner gives up)
+        wait_until(lambda: claim() == (None,), 10)
         owner.stop()  # even its lock gone now, the claim is not taken over
         retry = post(other.test_client(), "/payments", key)
         assert retry.status_code == 409, retry.get_json()
