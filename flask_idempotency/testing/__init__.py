@@ -257,6 +257,7 @@ def run_fault_schedule(
     cwd: str | os.PathLike[str] | None = None,
     logs: str | os.PathLike[str] | None = None,
     check: Callable[[FaultReport], Iterable[str]] | None = None,
+    more_faults: Mapping[str, Callable[[], str]] | None = None,
 ) -> FaultReport:
     """Serve *app* under gunicorn through a seeded schedule of operational faults while
     clients send *requests* with keys and retry them, then check that each key's effect
@@ -306,6 +307,15 @@ def run_fault_schedule(
     - ``harness:`` lines when the run did not test what it should (a kind of fault never
       done, a command that never succeeded, a request never answered 2xx).
 
+    *more_faults* adds kinds of fault of your own, by name: each a callable that does
+    the fault, returns once the database serves again (bounded: it raises when it cannot)
+    and returns a line saying what it did. They are drawn into the schedule like the
+    others (each at least once), count as faults that can end or silence a view's owner,
+    and their time counts as an outage. The project's Patroni test passes
+    ``PatroniCluster.fault_kinds()`` (a failover and a planned switchover) with
+    ``database=cluster.url``: a multi-host URL gets a fault proxy for each host, so
+    ``target_session_attrs=read-write`` still finds the leader, and it is never restarted.
+
     *check* adds lines of your own: it gets the report (runs, answers, logs) before it
     is returned. The runs of the views are recorded through the extension's signals in
     each served process; your app needs no change for it. The logs (gunicorn's, each
@@ -336,6 +346,7 @@ def run_fault_schedule(
         cwd=cwd,
         logs=logs,
         check=check,
+        more_faults=more_faults,
     )
 
 

@@ -11,10 +11,11 @@ owner's claim), PostgreSQL stopped ``-m fast`` and ``-m immediate`` then started
 server the plugin started itself), every backend of the database terminated (the owner locks'
 sessions too, while their processes live), a partition (the proxy forwards nothing),
 ``SIGHUP`` to gunicorn, and ``flask idempotency-clean``, ``idempotency-complete`` and
-``idempotency-reconcile`` as fresh processes, as cron starts them. The first faults are every
-kind once, in a seeded order; more follow while time is left. Then everything heals, the
-clients finish their retries while cron's commands run again, and every answered key is
-sent once more.
+``idempotency-reconcile`` as fresh processes, as cron starts them. A test may add kinds of its
+own (``more_faults``: a failover and a switchover of an HA cluster, say, whose multi-host URL
+then gets a proxy for each host). The first faults are every kind once, in a seeded order;
+more follow while time is left. Then everything heals, the clients finish their retries while
+cron's commands run again, and every answered key is sent once more.
 
 What the served processes did is recorded by the extension's own signals
 (:mod:`flask_idempotency.signals`), connected in each worker and each command by this
@@ -27,6 +28,7 @@ when pytest loads the plugin.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -46,6 +48,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .postgres import PostgresServer, free_port
 from .proxy import TcpProxy
@@ -96,7 +100,7 @@ COMMANDS = {
     "reconcile": ("idempotency-reconcile",),
 }
 #: the faults that can end or silence a view's owner: only after one may a claim in
-#: flight be taken over
+#: flight be taken over (so can every kind of ``more_faults``)
 DISRUPTIVE = (
     "kill-worker",
     "restart-fast",
@@ -680,7 +684,7 @@ class FaultEvent:
     """A fault as it was done."""
 
     at: float  #: seconds since the faults began
-    kind: str  #: one of :data:`KINDS`
+    kind: str  #: one of :data:`KINDS`, or of the run's ``more_faults``
     detail: str  #: what happened
 
     def __str__(self) -> str:
@@ -696,16 +700,19 @@ class _Faults:
         app: str,
         server: PostgresServer | None,
         database_url: str,
-        proxy: TcpProxy,
+        proxy: _Proxies,
         gunicorn: _Gunicorn,
         record: Path,
         rng: random.Random,
         logs: Path,
+        more: Mapping[str, Callable[[], str]],
     ) -> None:
         self.app = app
         self.server = server
         self.database_url = database_url
         self.proxy = proxy
+        #: the caller's kinds of fault (``more_faults``)
+        self.more = more
         self.gunicorn = gunicorn
         self.record = record
         self.rng = rng
@@ -736,6 +743,8 @@ class _Faults:
             self.windows.append((wall, time.time(), fault.kind))
 
     def apply(self, fault: Fault) -> str:
+        if fault.kind in self.more:
+            return self.more_fault(fault.kind)
         if fault.kind == "kill-worker":
             return self.kill_worker()
         if fault.kind in RESTARTS:
@@ -750,6 +759,13 @@ class _Faults:
         if fault.kind == "sighup":
             return self.sighup()
         return self.command(fault.kind)
+
+    def more_fault(self, kind: str) -> str:
+        """One of the caller's faults: the database counts as away while it runs."""
+        start = time.monotonic()
+        what = self.more[kind]()
+        self.outages.append(Outage(kind, start, time.monotonic()))
+        return what
 
     def busy_workers(self, workers: set[int]) -> list[int]:
         """Workers running a view now, as recorded."""
@@ -897,7 +913,7 @@ class FaultReport:
     intents: list[Intent]
     #: each key's runs of the view, as the served processes recorded them
     runs: dict[str, list[Run]]
-    #: when the database could not answer (partitions, restarts)
+    #: when the database could not answer (partitions, restarts, the caller's faults)
     outages: list[Outage]
     #: the background commands started (by the schedule and by cron after it)
     commands: list[Command]
@@ -926,7 +942,7 @@ class FaultReport:
         """A fault that can end or silence an owner happened between *since* and *until*
         (wall clock; the one a takeover is judged by may have started a little before)."""
         return any(
-            kind in DISRUPTIVE and start < until and end > since - 1.0
+            (kind in DISRUPTIVE or kind not in KINDS) and start < until and end > since - 1.0
             for start, end, kind in self.windows
         )
 
@@ -1111,7 +1127,7 @@ def _plugin_server(database_url: str) -> PostgresServer | None:
 
     from .postgres import _CONF_NAME
 
-    if os.environ.get(DATABASE_URL_ENV):
+    if os.environ.get(DATABASE_URL_ENV) or len(_servers(database_url)) > 1:
         return None
     try:
         with psycopg.connect(database_url, connect_timeout=10) as conn:
@@ -1142,10 +1158,12 @@ class _Setup:
     settle: float
     cwd: Path
     logs: Path
+    more_faults: dict[str, Callable[[], str]] = dataclasses.field(default_factory=dict)
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return KINDS if self.server is not None else tuple(k for k in KINDS if k not in RESTARTS)
+        built_in = KINDS if self.server is not None else [k for k in KINDS if k not in RESTARTS]
+        return (*built_in, *self.more_faults)
 
     def served_env(self, proxied_url: str) -> dict[str, str]:
         """The served processes' environment: the test's, *env*, the app's folder on the
@@ -1162,16 +1180,67 @@ class _Setup:
         }
 
 
-def _proxied(url: str, proxy: TcpProxy) -> str:
-    """*url* through *proxy*, still a URL when it was one (an app may hand it to
-    SQLAlchemy)."""
+def _servers(url: str) -> list[tuple[str, int]]:
+    """The (host, port) of each server a multi-host *url* names, in its order; one entry
+    for a URL of one server (whatever it names: :meth:`TcpProxy.to_server` finds it)."""
+    params = conninfo_to_dict(url)
+    hosts = str(params.get("host") or "").split(",")
+    ports = str(params.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)
+    return [(host, int(port or 5432)) for host, port in zip(hosts, ports, strict=False)]
+
+
+class _Proxies:
+    """The fault proxy: a :class:`~.proxy.TcpProxy` to the server a URL of one server
+    reaches, or one to each host of a multi-host URL (the nodes of an HA cluster, so that
+    libpq's ``target_session_attrs`` still finds the leader through them); frozen and
+    thawed together."""
+
+    def __init__(self, url: str) -> None:
+        servers = _servers(url)
+        if len(servers) > 1:
+            self.proxies = [TcpProxy(host, port) for host, port in servers]
+        else:
+            self.proxies = [TcpProxy.to_server(url)]
+        #: *url* through the proxies, still a URL when it was one (an app may hand it to
+        #: SQLAlchemy)
+        self.url = _proxied(url, [proxy.port for proxy in self.proxies])
+        self._started = contextlib.ExitStack()
+
+    def __enter__(self) -> _Proxies:
+        with contextlib.ExitStack() as started:
+            for proxy in self.proxies:
+                started.enter_context(proxy)
+            self._started = started.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._started.close()
+
+    def freeze(self) -> None:
+        for proxy in self.proxies:
+            proxy.freeze()
+
+    def thaw(self) -> None:
+        for proxy in self.proxies:
+            proxy.thaw()
+
+
+def _proxied(url: str, ports: list[int]) -> str:
+    """*url* with its servers replaced by 127.0.0.1 at *ports*, in order."""
+    hosts = ["127.0.0.1"] * len(ports)
     if not url.startswith(("postgresql://", "postgres://")):
-        return proxy.url(url)
+        params = conninfo_to_dict(url)
+        params.pop("hostaddr", None)
+        params.update(host=",".join(hosts), port=",".join(map(str, ports)))
+        return make_conninfo("", **params)
     parts = urlsplit(url)
     user = parts.netloc.rpartition("@")[0]
     query = parse_qsl(parts.query, keep_blank_values=True)
     query = [(k, v) for k, v in query if k not in ("host", "hostaddr", "port")]
-    netloc = f"{user}@127.0.0.1:{proxy.port}" if user else f"127.0.0.1:{proxy.port}"
+    servers = ",".join(f"127.0.0.1:{port}" for port in ports)
+    netloc = f"{user}@{servers}" if user else servers
     return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query)))
 
 
@@ -1218,13 +1287,21 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
     began = time.monotonic()
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    with TcpProxy.to_server(setup.database_url) as proxy:
-        env = setup.served_env(_proxied(setup.database_url, proxy))
+    with _Proxies(setup.database_url) as proxy:
+        env = setup.served_env(proxy.url)
         gunicorn = _Gunicorn(
             setup.app, workers=setup.workers, env=env, cwd=setup.cwd, logs=setup.logs
         )
         faults = _Faults(
-            setup.app, setup.server, setup.database_url, proxy, gunicorn, record, rng, setup.logs
+            setup.app,
+            setup.server,
+            setup.database_url,
+            proxy,
+            gunicorn,
+            record,
+            rng,
+            setup.logs,
+            setup.more_faults,
         )
         clients = [
             _Client(n, gunicorn.port, setup.requests, setup.headers, prefix, setup.seed, stop)
@@ -1323,6 +1400,7 @@ def run_fault_schedule(
     cwd: str | os.PathLike[str] | None = None,
     logs: str | os.PathLike[str] | None = None,
     check: Callable[[FaultReport], Iterable[str]] | None = None,
+    more_faults: Mapping[str, Callable[[], str]] | None = None,
 ) -> FaultReport:
     """The implementation of :func:`flask_idempotency.testing.run_fault_schedule`
     (documented there)."""
@@ -1331,6 +1409,9 @@ def run_fault_schedule(
     wanted = [Request.of(item) for item in requests]
     if not wanted:
         raise ValueError("run_fault_schedule needs at least one request to send")
+    clashing = sorted(set(more_faults or {}) & set(KINDS))
+    if clashing:
+        raise ValueError(f"more_faults may not redefine the built-in kinds {clashing}")
     url = database if isinstance(database, str) else database.url
     folder = Path(tempfile.mkdtemp(prefix=f"fault-schedule-{seed}-", dir=logs))
     setup = _Setup(
@@ -1347,6 +1428,7 @@ def run_fault_schedule(
         settle=float(settle),
         cwd=Path(cwd if cwd is not None else os.getcwd()).resolve(),
         logs=folder,
+        more_faults=dict(more_faults or {}),
     )
     try:
         report, no_reconciler = _serve(setup)

@@ -449,6 +449,31 @@ class PatroniCluster(Service):
             raise PatroniError(f"switchover refused: {exc.code} {exc.read()!r}") from exc
         return self.wait_leader(timeout, other_than=leader)
 
+    def fail_over(self, timeout: float = 90) -> str:
+        """Node loss, as a fault: wait for a healthy cluster, kill the leader (Patroni and
+        postmaster), wait for the new leader, start the lost node's Patroni again (it
+        rejoins as a replica meanwhile); what happened, in a line."""
+        old = self.wait_healthy(timeout)
+        killed = time.monotonic()
+        self.kill(old)
+        new = self.wait_leader(timeout, other_than=old)
+        promoted = time.monotonic() - killed
+        self.restart(old)
+        return f"{old.name} killed (Patroni, postmaster); {new.name} leads {promoted:.1f} s later"
+
+    def switch_over(self, timeout: float = 90) -> str:
+        """A planned switchover, as a fault: wait for a healthy cluster, then
+        :meth:`switchover`; what happened, in a line."""
+        old = self.wait_healthy(timeout)
+        started = time.monotonic()
+        new = self.switchover(timeout=timeout)
+        return f"switchover {old.name} -> {new.name} in {time.monotonic() - started:.1f} s"
+
+    def fault_kinds(self) -> dict[str, Callable[[], str]]:
+        """``failover`` (:meth:`fail_over`) and ``switchover`` (:meth:`switch_over`), for
+        :func:`~flask_idempotency.testing.run_fault_schedule`'s ``more_faults``."""
+        return {"failover": self.fail_over, "switchover": self.switch_over}
+
     def set_synchronous(self, synchronous: bool, timeout: float = 30) -> None:
         """Turn ``synchronous_mode`` (and strict) on or off in the cluster's configuration,
         and wait until the leader's ``synchronous_standby_names`` says so."""

@@ -10,6 +10,12 @@
 - A planned switchover under load: the same.
 - Asynchronous standbys: ``IDEMPOTENCY_REQUIRE_SYNC_REPLICATION`` answers 503 and nothing
   runs; without it the app serves and says so once in its log.
+- The project's seeded fault schedule (tests/e2e/test_fault_schedule.py's app, requests,
+  effects and checks) on the cluster, with a failover and a switchover among its faults
+  (``PatroniCluster.fault_kinds()``): at most once, every acknowledged answer replayed, no
+  500, every key settled, and every answer while the leader changes a 2xx or a 409/503
+  problem with ``Retry-After``. ``IDEMPOTENCY_PATRONI_FAULT_SECONDS`` makes it longer (the
+  long run's figures are in docs/howto/patroni.md).
 
 One cluster for the module; the views record their runs in the session's database (another
 server), so they keep working while the store fails over.
@@ -18,6 +24,7 @@ server), so they keep working while the store fails over.
 from __future__ import annotations
 
 import http.client
+import os
 import random
 import threading
 import time
@@ -29,9 +36,20 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from flask_idempotency.testing import FaultReport, run_fault_schedule
+from flask_idempotency.testing.faults import SEED_ENV
 from flask_idempotency.testing.patroni import TTL, PatroniCluster
+from tests.apps import fault_app
 from tests.apps.e2e_app import create_tables, environment
-from tests.support.gunicorn_server import GunicornServer, Response, post, wait_until
+from tests.e2e.test_fault_schedule import (
+    LEASE,
+    POOL_TIMEOUT,
+    REQUESTS,
+    STATEMENT_TIMEOUT,
+    Effects,
+    project_problems,
+)
+from tests.support.gunicorn_server import ROOT, GunicornServer, Response, post, wait_until
 
 APP = "tests.apps.e2e_app:create_app()"
 #: from the leader's loss to the first 2xx (Patroni's ttl is 20 s; measured 20.2-20.3 s)
@@ -282,3 +300,76 @@ def test_asynchronous_standbys(
         assert said == 1, lenient.log_tail()
     finally:
         cluster.set_synchronous(True)
+
+
+#: seconds of faults planned; the failover alone takes about Patroni's ttl
+PATRONI_FAULT_SECONDS = float(os.environ.get("IDEMPOTENCY_PATRONI_FAULT_SECONDS", "15"))
+#: the faults the cluster adds to the schedule
+LEADER_CHANGES = ("failover", "switchover")
+
+
+def leader_change_answers(report: FaultReport) -> list[str]:
+    """Every answer to a request in flight while the leader changed is a 2xx, or a 409 or
+    503 problem with ``Retry-After``; or 409 ``outcome-unknown`` for a ``/charge`` key
+    whose worker the schedule killed (its ``on_abandoned="unknown"``, not the leader)."""
+    windows = [(start, end) for start, end, kind in report.windows if kind in LEADER_CHANGES]
+    found: list[str] = []
+    for intent in report.intents:
+        owner_ended = any(r.pid in report.ended_pids for r in report.runs.get(intent.key, []))
+        for e in intent.exchanges:
+            sent = e.at - (e.received - e.sent)
+            if not any(sent < end and e.at > start for start, end in windows):
+                continue
+            if e.status is not None and 200 <= e.status < 300:
+                continue
+            if e.status in (409, 503) and e.problem and e.retry_after is not None:
+                continue
+            if e.problem == "outcome-unknown" and owner_ended:
+                continue
+            found.append(
+                f"key {intent.key!r}: while the leader changed, {e.purpose} answered"
+                f" {e.label()} (Retry-After {e.retry_after}): {e.body[:200]!r}"
+            )
+    return found
+
+
+@pytest.mark.timeout(int(PATRONI_FAULT_SECONDS) + 300)
+def test_fault_schedule_on_the_cluster(
+    cluster: PatroniCluster, database_url: str, tmp_path: Path
+) -> None:
+    text = os.environ.get(SEED_ENV)
+    seed = int(text) if text else random.SystemRandom().randrange(2**32)
+    repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_PATRONI_FAULT_SECONDS={PATRONI_FAULT_SECONDS:g}"
+    print(f"seed {seed} (repeat with {repeat})")
+    cluster.wait_healthy(90)
+    tenant = f"patroni-{seed}-{uuid.uuid4().hex[:8]}"
+    fault_app.create_tables(cluster.url, database_url)
+    effects = Effects(tenant, cluster.url, database_url)
+    settings: dict[str, object] = {
+        "lease": LEASE,
+        "pool_timeout": POOL_TIMEOUT,
+        "statement_timeout": STATEMENT_TIMEOUT,
+        "reconcile_backoff": 1,
+        "stored_request_headers": ["Content-Type", "X-Tenant"],
+    }
+    report = run_fault_schedule(
+        fault_app.__name__ + ":create_app()",
+        REQUESTS,
+        database=cluster.url,
+        seconds=PATRONI_FAULT_SECONDS,
+        seed=seed,
+        effects=effects,
+        env=fault_app.environment(database_url, **settings),
+        headers={"X-Tenant": tenant},
+        workers=3,
+        clients=4,
+        settle=45,  # the lease is 2 s; a failover just before the heal takes ~20 s
+        cwd=ROOT,
+        logs=tmp_path,
+        check=lambda report: [*project_problems(report, effects), *leader_change_answers(report)],
+        more_faults=cluster.fault_kinds(),
+    )
+    print(report.summary())
+    assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"
+    assert {e.kind for e in report.events} >= set(LEADER_CHANGES)
+    cluster.wait_healthy(90)  # the lost node rejoined
