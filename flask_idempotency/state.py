@@ -19,7 +19,7 @@ from .store.batches import Batches
 from .store.maintenance import Maintenance
 from .store.operations import Operations
 from .store.postgres import PostgresStore
-from .store.waiting import CompletionWaiter
+from .store.waiting import CITUS_POLL_SECONDS, CompletionWaiter
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -81,8 +81,9 @@ class IdempotencyState:
         """This process's listener for finished keys, made on first use."""
         if self._waiter is None or self._waiter_pid != os.getpid():
             conninfo = self.settings.listen_database_url or self.store.conninfo
+            poll = CITUS_POLL_SECONDS if self.store.citus else None  # SPEC §22
             self._waiter = CompletionWaiter(
-                conninfo, self.store.channel, self.settings.pool_timeout
+                conninfo, self.store.channel, self.settings.pool_timeout, poll
             )
             self._waiter_pid = os.getpid()
         return self._waiter

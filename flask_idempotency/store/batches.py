@@ -50,6 +50,7 @@ from .statements_background import (
     TAKE_OVER,
     UNRESERVE,
 )
+from .statements_citus import COMPLETION_RECHECK, RECONCILE_RECHECK, without_row_locks
 
 #: a key's fence, as a batch saw it: (tenant, key, attempt, generation, reserved)
 Fence = tuple[str, str, int, int, "datetime.datetime | None"]
@@ -74,6 +75,15 @@ class Batches:
         self._mark_unknown = statement(MARK_UNKNOWN)
         self._key_state = statement(KEY_STATE)
         self._due_for_reconcile = statement(DUE_FOR_RECONCILE, dead_owner=dead_owner)
+        # on Citus (statements_citus): no row locks across shards, the reservation checks
+        self._citus_due_for_completion = statement(
+            without_row_locks(DUE_FOR_COMPLETION, COMPLETION_RECHECK),
+            deferred=deferred,
+            dead_owner=dead_owner,
+        )
+        self._citus_due_for_reconcile = statement(
+            without_row_locks(DUE_FOR_RECONCILE, RECONCILE_RECHECK), dead_owner=dead_owner
+        )
         self._mark_unknown_due = statement(MARK_UNKNOWN_DUE_BESIDE)
         self._reschedule = statement(RESCHEDULE)
         self._due_jobs = statement(DUE_JOBS)
@@ -111,7 +121,8 @@ class Batches:
             "gone_owners": self.store.dead_owners(self._owners_of_pending),
             **self.store.owner_mark().params(),
         }
-        return records(DueKey, self.store.fetch(self._due_for_completion, params))
+        due = self._citus_due_for_completion if self.store.citus else self._due_for_completion
+        return records(DueKey, self.store.fetch(due, params))
 
     def count_due(self, older_than: timedelta, limit: int) -> list[PendingKey]:
         """The keys a completer batch would take now; reserves nothing."""
@@ -172,7 +183,8 @@ class Batches:
             "gone_owners": self.store.dead_owners(self._owners_of_unknown),
             **self.store.owner_mark().params(),
         }
-        return records(UnknownDue, self.store.fetch(self._due_for_reconcile, params))
+        due = self._citus_due_for_reconcile if self.store.citus else self._due_for_reconcile
+        return records(UnknownDue, self.store.fetch(due, params))
 
     def reschedule(
         self,

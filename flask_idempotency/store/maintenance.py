@@ -44,6 +44,12 @@ from .statements_background import (
     OWNERS_OF_CLAIMS,
     SHOW_KEY,
 )
+from .statements_citus import (
+    EXPIRED_JOINED,
+    EXPIRED_RECHECK,
+    abandoned_without_row_locks,
+    without_row_locks,
+)
 
 
 class Maintenance:
@@ -64,10 +70,18 @@ class Maintenance:
         self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
         self._list_exhausted = statement(LIST_EXHAUSTED)
         self._end_lease = statement(END_LEASE)
+        # on Citus (statements_citus): no row locks across shards, the write checks again
+        self._citus_delete_expired = statement(
+            without_row_locks(DELETE_EXPIRED, EXPIRED_RECHECK, EXPIRED_JOINED)
+        )
+        self._citus_mark_abandoned = statement(
+            abandoned_without_row_locks(MARK_ABANDONED), dead_owner=sql.SQL(DEAD_OWNER)
+        )
 
     def delete_expired(self, batch_size: int) -> int:
         """Delete one batch of finished keys past ``expires_at``; the number deleted."""
-        return self.store.run(self._delete_expired, {"batch": batch_size})[0]
+        delete = self._citus_delete_expired if self.store.citus else self._delete_expired
+        return self.store.run(delete, {"batch": batch_size})[0]
 
     def count_expired(self) -> int:
         """How many finished keys are past ``expires_at``."""
@@ -85,7 +99,8 @@ class Maintenance:
             # claims in their lease whose owner is dead (SPEC §20): at once
             "gone_owners": self.store.dead_owners(self._owners_of_claims),
         }
-        return self._abandoned(self.store.run(self._mark_abandoned, params)[1])
+        mark = self._citus_mark_abandoned if self.store.citus else self._mark_abandoned
+        return self._abandoned(self.store.run(mark, params)[1])
 
     def count_abandoned(self, margin: timedelta, on_abandoned: str) -> Abandoned:
         """How many claims have had their lease end more than *margin* ago, and how many

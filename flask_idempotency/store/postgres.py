@@ -11,6 +11,8 @@ pool and the execution path are :mod:`.execution`'s.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -29,12 +31,14 @@ from ..keys import lock_id
 from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
 from .execution import Execution, HeldTransaction, bounded_transaction
-from .owner import GRACE_SECONDS, AnswerKept
+from .owner import GRACE_SECONDS, AnswerKept, Owner
 from .pool import bounded, store_errors
 from .records import job_params
 from .rows import claim_outcome
 from .sealing import refused, unreadable
 from .statement import Statement, execute
+from .statements_citus import CLAIM as CLAIM_CITUS
+from .statements_citus import CLAIM_NEW, FINISH_CITUS
 from .statements_request import (
     ADVANCE,
     ASYNC_CLAIM,
@@ -49,6 +53,8 @@ from .statements_request import (
 )
 
 __all__ = ["HeldTransaction", "KeyAnswer", "PinnedClaim", "PostgresStore", "store_errors"]
+
+logger = logging.getLogger("flask_idempotency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +123,54 @@ class PostgresStore(Execution):
         }
         self._key_status = self.statement(KEY_STATUS)
         self._finished = self.statement(FINISHED)
+        # On Citus (SPEC §22, statements_citus): the claim in two statements (the second for
+        # a new key only), the finish without a NOTIFY or an asynchronous commit.
+        self._citus_claim_pinned = self.statement(CLAIM_CITUS, commit_mode=sql.SQL(""))
+        self._citus_claim = (
+            self._citus_claim_pinned
+            if settings.synchronous_claim
+            else self.statement(CLAIM_CITUS, commit_mode=sql.SQL(ASYNC_CLAIM))
+        )
+        self._citus_claim_new = self.statement(CLAIM_NEW)
+        self._citus_finishes = {
+            staging: self.statement(
+                _staging(FINISH_CITUS) if staging else FINISH_CITUS,
+                notify=sql.SQL("1"),
+                commit_mode=sql.SQL(""),
+            )
+            for staging in (False, True)
+        }
+        self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
+        self._said_citus = False
+
+    # -- Citus (SPEC §22) ------------------------------------------------------------
+
+    @property
+    def citus(self) -> bool:
+        """The database has the citus extension: the request path sends the statements of
+        :mod:`.statements_citus`, and claims are judged by their lease alone. Known from the
+        schema check of the process's first statement (else looked at once)."""
+        if self.schema.citus is None:
+            with self._pooled() as conn, bounded(conn, self.settings.statement_timeout):
+                if self.schema.citus is None:  # the schema check did not look
+                    self.schema.state(conn)
+        return bool(self.schema.citus)
+
+    @property
+    def owner(self) -> Owner | None:
+        """As :attr:`.Execution.owner`; None on Citus, where the owner lock cannot be seen
+        from the shard a claim lives on (its ``pg_locks`` are its node's): leases alone,
+        said once in the log."""
+        if not self.settings.owner_lock or not self.citus:
+            return super().owner
+        if not self._said_citus:
+            self._said_citus = True
+            logger.info(
+                "no owner lock on Citus (pid %d): claims in flight are judged by their lease"
+                " alone (a dead worker's keys wait for IDEMPOTENCY_LEASE to end)",
+                os.getpid(),
+            )
+        return None
 
     # -- the request path ----------------------------------------------------------
 
@@ -154,8 +208,11 @@ class PostgresStore(Execution):
             "gone_owner": gone_owner,
             **stored,
         }
-        statement = self._claim if pinned is None else self._claim_pinned_statement
-        _, row = self.run(statement, params, pinned)
+        if self.citus:
+            row = self._claim_on_citus(params, pinned)
+        else:
+            statement = self._claim if pinned is None else self._claim_pinned_statement
+            _, row = self.run(statement, params, pinned)
         assert row is not None
         with unreadable():
             outcome = claim_outcome(row, fingerprint, self.at_rest, tenant, key)
@@ -167,6 +224,19 @@ class PostgresStore(Execution):
         if outcome.owns_key and pinned is None:
             self.renew_while_held(tenant, key, outcome, terms.lease.total_seconds())
         return outcome
+
+    def _claim_on_citus(
+        self, params: dict[str, Any], pinned: HeldTransaction | None
+    ) -> tuple[Any, ...] | None:
+        """The claim's row on Citus: the decision (one task), then the insert of a new key
+        whose lock was granted (one task, in *pinned*'s transaction when there is one)."""
+        claim = self._citus_claim if pinned is None else self._citus_claim_pinned
+        _, row = self.run(claim, params, pinned)
+        if row is None or not row[15]:
+            return row
+        _, inserted = self.run(self._citus_claim_new, params, pinned)
+        # no row inserted: a twin's row is there (it won the unique key): in progress
+        return (row[0], *(inserted or (None, None, None)), *row[4:15])
 
     def renew_while_held(
         self, tenant: str, key: str, outcome: ClaimOutcome | Any, lease: float
@@ -255,7 +325,10 @@ class PostgresStore(Execution):
         }
         if jobs:
             params.update(job_params(jobs))
-        statement = self._finishes[notify, bool(jobs)]
+        if self.citus:
+            statement = self._citus_finishes[bool(jobs)]
+        else:
+            statement = self._finishes[notify, bool(jobs)]
         with self._kept_on_failure(statement, params, pinned):
             rowcount, row = self.run(statement, params, pinned, commit=commit, patient=True)
             if rowcount == 1 and row is not None:
@@ -300,7 +373,7 @@ class PostgresStore(Execution):
             "generation": outcome.generation,
             "lock_id": lock_id(tenant, key),
         }
-        statement = self._forgets[notify]
+        statement = self._citus_forget if self.citus else self._forgets[notify]
         with self._kept_on_failure(statement, params, None):
             rowcount, _ = self.run(statement, params, patient=True)
         return rowcount == 1

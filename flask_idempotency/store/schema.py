@@ -148,6 +148,9 @@ class Schema:
         #: on Citus: the app's distributed table the keys are co-located with (None:
         #: Citus's default co-location group)
         self.colocate_with = colocate_with
+        #: the database has the citus extension, as the last look said (None: not looked
+        #: yet): the store then sends the request path's statements of Citus
+        self.citus: bool | None = None
         parts = table.split(".")
         #: the table, quoted as needed
         self.table = sql.Identifier(*parts)
@@ -246,6 +249,7 @@ class Schema:
         row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
         assert row is not None
         missing, columns, job_columns, invalid, options, owned, citus = row
+        self.citus = citus
         coordinator, distributed = True, []
         if citus:
             names = [self._regclass[part] for part in self._table_regclass.values()]

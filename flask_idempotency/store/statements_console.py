@@ -52,8 +52,8 @@ BEAT = """
 INSERT INTO {heartbeats} AS h (command, host, pid, finished_at, interval_seconds, counts)
 VALUES (%(command)s, %(host)s, %(pid)s, now(), %(interval)s, %(counts)s)
 ON CONFLICT (command, host) DO UPDATE
-SET pid = excluded.pid, finished_at = now(), interval_seconds = excluded.interval_seconds,
-    counts = excluded.counts
+SET pid = excluded.pid, finished_at = excluded.finished_at,
+    interval_seconds = excluded.interval_seconds, counts = excluded.counts
 """
 
 # Stale: no batch for three intervals of a loop, or for an hour of a command run once.

@@ -4,6 +4,11 @@ A duplicate request that may wait (``IDEMPOTENCY_WAIT``) subscribes to its key's
 lock id and sleeps on an event; the finishing request's UPDATE sends a NOTIFY with
 that lock id. The listener holds its own connection, never a pool connection, so
 waiting requests cannot starve the pool.
+
+On Citus (SPEC §22) a NOTIFY cannot reach the waiters: the finish runs on the shard's node,
+and each waiter's process listens at the node it entered at; Citus refuses ``pg_notify``
+in a distributed UPDATE's ``RETURNING`` anyway. There a waiter is made with *poll*: it asks
+the store again every *poll* seconds (:data:`CITUS_POLL_SECONDS`) until its wait ends.
 """
 
 from __future__ import annotations
@@ -22,12 +27,30 @@ logger = logging.getLogger("flask_idempotency")
 #: how often (seconds) the listener looks whether :meth:`CompletionWaiter.close` was called
 _CLOSE_POLL = 0.2
 
+#: on Citus, how often (seconds) a waiting request asks the store again
+CITUS_POLL_SECONDS = 0.1
+
+
+class _Polled(threading.Event):
+    """An event for a waiter that polls: a wait ends after *poll* seconds at the most."""
+
+    def __init__(self, poll: float) -> None:
+        super().__init__()
+        self._poll = poll
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait(self._poll if timeout is None else min(timeout, self._poll))
+
 
 class CompletionWaiter:
     """Wakes the requests waiting for a key to be finished."""
 
-    def __init__(self, conninfo: str, channel: str, connect_timeout: float) -> None:
+    def __init__(
+        self, conninfo: str, channel: str, connect_timeout: float, poll: float | None = None
+    ) -> None:
         self.conninfo = conninfo
+        #: None: woken by NOTIFY; else seconds between two looks (Citus)
+        self.poll = poll
         self.channel = channel
         self.connect_timeout = connect_timeout
         self._events: defaultdict[str, set[threading.Event]] = defaultdict(set)
@@ -39,7 +62,11 @@ class CompletionWaiter:
     @contextmanager
     def subscription(self, lock_id: int) -> Iterator[threading.Event | None]:
         """An event set when the key with *lock_id* is finished, or ``None`` when
-        the listener cannot be started (the caller then does not wait)."""
+        the listener cannot be started (the caller then does not wait). A waiter that
+        polls gets an event whose every wait ends after :attr:`poll` seconds."""
+        if self.poll is not None:
+            yield _Polled(self.poll)
+            return
         if not self._start():
             yield None
             return

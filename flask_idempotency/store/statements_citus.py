@@ -1,0 +1,214 @@
+"""The request path's statements on Citus (SPEC §22), where Citus refuses the plain ones.
+
+On a database with the ``citus`` extension the keys table is distributed by tenant, and
+every statement that names its tenant and key is planned as one task on the shard's node,
+whichever node the request entered at, provided Citus's router planner accepts it. It
+refuses, on distributed tables (measured on Citus 14.0.1):
+
+- an ``INSERT … ON CONFLICT DO UPDATE`` whose ``SET`` or ``WHERE`` holds a sub-select or a
+  function that is not immutable (``now()``): the plain :data:`~.statements_request.CLAIM`;
+- a function that is not immutable inside a ``CASE`` or ``COALESCE`` of an ``UPDATE``
+  (the plain :data:`~.statements_request.FINISH`'s ``reconcile_due_at``);
+- a function that is not immutable in ``RETURNING`` (the finish's ``pg_notify``: a NOTIFY
+  on the shard's node would wake nobody anyway, the waiters listen where they entered), or
+  in the ``WHERE`` of a modification (``set_config`` of the asynchronous commits);
+
+and it plans an ``INSERT … SELECT`` inside a ``WITH`` apart from the rest (a subplan run
+first, "pull to coordinator"), not as one task.
+
+So on Citus the claim is :data:`CLAIM` (one ``SELECT``: the row read, the decision,
+``pg_try_advisory_xact_lock`` and the fenced takeover ``UPDATE … FROM``, one task, the
+advisory lock taken on the shard's node) and, for a key that has no row yet and whose lock
+was granted, :data:`CLAIM_NEW` (``INSERT … VALUES … ON CONFLICT DO NOTHING``, one task):
+a second round trip for new keys only. The unique key of the shard decides between twins
+that entered at different nodes. Claims record no owner (the owner lock is per node:
+``pg_locks`` read inside a statement routed to a shard is the shard node's, where a live
+owner would look dead): on Citus processes run on leases alone.
+
+The texts are the plain ones where Citus takes them as they are; what differs is derived
+here from them, so that the plain PostgreSQL statements stay exactly as they are.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .statements_request import FINISH, FINISH_GRACE_SECONDS
+
+__all__ = ["CLAIM", "CLAIM_NEW", "FINISH_CITUS"]
+
+# The decision, as statements_request.CLAIM makes it without an owner lock (no owner on
+# Citus: a claim in flight is abandoned when its lease ends). The clock's values are read
+# once, in ``fresh``: Citus takes now() in a SELECT, not inside a CASE of an UPDATE's SET.
+# The row this request must insert (a new key, lock granted) is said by ``insert_new``;
+# the caller sends CLAIM_NEW in the same transaction (or right after it, for a claim in
+# autocommit: the unique key then decides, as it does between any two inserts).
+CLAIM = (
+    """
+WITH seen AS (
+    SELECT status, fingerprint, attempt, generation, on_abandoned,
+           locked_until <= now() AS lease_over,
+           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
+           response_status, response_headers, response_body,
+           extract(epoch FROM now() - updated_at) AS idle_for,
+           extract(epoch FROM locked_until - now()) AS lease_left
+    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), intent AS (
+    SELECT CASE
+        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
+        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.status = 'completed' THEN 'replay'
+        WHEN seen.status = 'retryable' THEN 'taken_over'
+        WHEN seen.status = 'unknown' THEN 'unknown'
+        WHEN seen.lease_over THEN
+            CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
+                WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
+        ELSE 'in_progress'
+    END AS decision
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true{commit_mode}
+), fresh AS (
+    SELECT (extract(epoch FROM now()) * 1000000)::bigint AS generation, now() AS at,
+           now() + make_interval(secs => %(lease)s) AS locked_until,
+           now() + make_interval(secs => %(ttl)s + """
+    + str(FINISH_GRACE_SECONDS)
+    + """) AS expires_at
+), lock AS (
+    SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
+    FROM intent WHERE decision IN ('claimed', 'taken_over', 'marked_unknown')
+), taken AS (
+    UPDATE {table} AS k SET
+        status = 'processing',
+        fingerprint = %(fingerprint)s,
+        attempt = CASE WHEN intent.decision = 'claimed' THEN 1 ELSE k.attempt + 1 END,
+        generation = CASE WHEN intent.decision = 'claimed'
+                          THEN fresh.generation ELSE k.generation END,
+        recovery_point = CASE WHEN intent.decision = 'claimed'
+                              THEN 'started' ELSE k.recovery_point END,
+        created_at = CASE WHEN intent.decision = 'claimed' THEN fresh.at ELSE k.created_at END,
+        locked_until = fresh.locked_until,
+        expires_at = fresh.expires_at,
+        updated_at = fresh.at,
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        request = %(request)s, request_body = %(request_body)s,
+        on_abandoned = %(on_abandoned)s, ttl_seconds = %(ttl)s,
+        owner_id = NULL, owner_claim = NULL,
+        owner_host = %(owner_host)s::text, owner_pid = %(owner_pid)s::integer
+    FROM lock, intent, seen, fresh
+    WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
+      AND k.tenant = %(tenant)s AND k.key = %(key)s
+      AND (k.attempt, k.generation, k.status) = (seen.attempt, seen.generation, seen.status)
+      AND (k.status <> 'processing' OR k.locked_until <= fresh.at)
+    RETURNING k.attempt, k.generation, k.recovery_point
+), marked AS (
+    UPDATE {table} AS k
+    SET status = 'unknown', locked_until = NULL, updated_at = fresh.at,
+        reconcile_due_at = fresh.at
+    FROM lock, seen, intent, fresh
+    WHERE lock.granted AND intent.decision = 'marked_unknown'
+      AND k.tenant = %(tenant)s AND k.key = %(key)s AND k.status = 'processing'
+      AND k.attempt = seen.attempt AND k.generation = seen.generation
+    RETURNING k.attempt
+)
+SELECT intent.decision, taken.attempt, taken.generation, taken.recovery_point,
+       (SELECT count(*) FROM marked), seen.status, seen.attempt,
+       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
+       seen.expires_at, seen.idle_for, seen.lease_left, NULL::bigint AS free_owner,
+       coalesce(lock.granted AND intent.decision = 'claimed' AND seen.status IS NULL, false)
+           AS insert_new
+FROM intent
+LEFT JOIN lock ON true
+LEFT JOIN taken ON true
+LEFT JOIN seen ON true
+"""
+)
+
+# A new key: its row, unless a twin's is there already (then no row comes back, and the
+# request is the twin's in-progress duplicate).
+CLAIM_NEW = (
+    """
+INSERT INTO {table}
+    (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+     request, request_body, on_abandoned, ttl_seconds, owner_host, owner_pid)
+VALUES (%(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
+        (extract(epoch FROM now()) * 1000000)::bigint,
+        now() + make_interval(secs => %(lease)s),
+        now() + make_interval(secs => %(ttl)s + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
+        %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
+        %(owner_host)s::text, %(owner_pid)s::integer)
+ON CONFLICT (tenant, key) DO NOTHING
+RETURNING attempt, generation, recovery_point
+"""
+)
+
+_DUE = "reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END"
+# the same value, with no function inside the CASE (now() + NULL is NULL)
+_DUE_CITUS = (
+    "reconcile_due_at = now() + CASE WHEN %(status)s::text = 'unknown' THEN interval '0' END"
+)
+if _DUE not in FINISH:  # pragma: no cover - a change of FINISH must be carried over here
+    raise RuntimeError("statements_citus: FINISH changed; carry the change over")
+
+# The finish, as statements_request.FINISH, rendered with ``{notify}`` as ``1`` and
+# ``{commit_mode}`` empty (Citus refuses both: see the module's docstring).
+FINISH_CITUS = FINISH.replace(_DUE, _DUE_CITUS)
+
+
+# -- the batches (SPEC §22): no row locks across shards ------------------------------------------
+#
+# Citus refuses ``FOR UPDATE`` in a query over many shards ("could not run distributed query
+# with FOR UPDATE/SHARE commands"). The batches that reserve keys (the completer's, the
+# reconciler's) and the cleaner's deletion pick their rows without it, and the write that
+# follows checks again, row by row, what made the row due: under READ COMMITTED a row that
+# another batch reserved (or a client took) meanwhile is looked at anew once that one
+# commits, and left alone. So batches on several hosts still take disjoint rows; they may
+# pick the same candidates and take fewer than their limit.
+
+_SKIP_LOCKED = re.compile(r"\s+FOR UPDATE (OF k )?SKIP LOCKED")
+_JOINED = "FROM due WHERE k.tenant = due.tenant AND k.key = due.key\n"
+
+
+def without_row_locks(query: str, recheck: str, joined: str = _JOINED) -> str:
+    """*query* (a batch's ``WITH due AS (… FOR UPDATE SKIP LOCKED) UPDATE … FROM due``)
+    without the row locks, its write checking *recheck* of each row."""
+    if not _SKIP_LOCKED.search(query) or joined not in query:  # pragma: no cover
+        raise RuntimeError("statements_citus: a batch's statement changed; carry it over")
+    unlocked = _SKIP_LOCKED.sub("", query)
+    return unlocked.replace(joined, joined.rstrip("\n") + recheck + "\n")
+
+
+#: what makes a key due for the completer, checked again by its reservation
+COMPLETION_RECHECK = (
+    " AND k.request IS NOT NULL"
+    " AND (coalesce(k.locked_until, '-infinity') <= now() OR {dead_owner})"
+)
+#: what makes a key due for the reconciler, checked again by its reservation
+RECONCILE_RECHECK = " AND k.status = 'unknown' AND (k.reconcile_due_at <= now() OR {dead_owner})"
+#: the cleaner's expired keys, checked again by the deletion
+EXPIRED_RECHECK = " AND k.status IN ('completed', 'retryable') AND k.expires_at <= now()"
+EXPIRED_JOINED = "WHERE k.tenant = doomed.tenant AND k.key = doomed.key\n"
+
+#: the claims the cleaner marks abandoned, checked again by its marking
+ABANDONED_RECHECK = (
+    " AND k.status = 'processing' AND (k.locked_until <= now() - %(margin)s OR {dead_owner})"
+)
+ABANDONED_JOINED = "FROM stale WHERE k.tenant = stale.tenant AND k.key = stale.key\n"
+_DUE_IF_UNKNOWN = """reconcile_due_at = CASE coalesce(k.on_abandoned, %(on_abandoned)s::text)
+                           WHEN 'unknown' THEN now() END"""
+_DUE_IF_UNKNOWN_CITUS = (
+    "reconcile_due_at = now()"
+    " + CASE coalesce(k.on_abandoned, %(on_abandoned)s::text) WHEN 'unknown' THEN interval '0' END"
+)
+# Citus 14 sends a simple CASE of a modification to the shards as "text = boolean": searched
+_SIMPLE_CASE = re.compile(r"CASE (coalesce\(k\.on_abandoned, %\(on_abandoned\)s::text\))\s+WHEN")
+
+
+def abandoned_without_row_locks(query: str) -> str:
+    """The cleaner's MARK_ABANDONED on Citus: no row locks, no now() inside its CASE."""
+    if _DUE_IF_UNKNOWN not in query:  # pragma: no cover
+        raise RuntimeError("statements_citus: MARK_ABANDONED changed; carry it over")
+    query = query.replace(_DUE_IF_UNKNOWN, _DUE_IF_UNKNOWN_CITUS)
+    query = _SIMPLE_CASE.sub(r"CASE WHEN \1 =", query)
+    return without_row_locks(query, ABANDONED_RECHECK, ABANDONED_JOINED)
