@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .postgres import PostgresServer, free_port
+from .gunicorn_server import GunicornServer, ppid_of, wait_until
+from .postgres import PostgresServer
 from .proxy import TcpProxy
 from .service import DATABASE_URL_ENV
 
@@ -533,118 +533,21 @@ def _join(threads: list[threading.Thread], timeout: float) -> None:
 # -- the processes -----------------------------------------------------------------------
 
 
-def _wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
-    """Poll *condition* until it returns something truthy (returned); raise after
-    *timeout* seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-
-
-def _ppid_of(pid: int) -> int | None:
-    """The parent pid of a live (not zombie) process, or None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return None if fields[0] in ("Z", "X") else int(fields[1])
-
-
-class _Gunicorn:
-    """``python -m gunicorn APP`` with sync workers on a free port of 127.0.0.1."""
-
-    def __init__(
-        self, app: str, *, workers: int, env: Mapping[str, str], cwd: Path, logs: Path
-    ) -> None:
-        self.workers = workers
-        self.env = dict(env)
-        self.cwd = cwd
-        self.log_path = logs / "gunicorn.log"
-        self.port = free_port()
-        config = logs / "gunicorn.conf.py"
-        config.write_text(GUNICORN_CONFIG)
-        self.command = [
-            *(sys.executable, "-m", "gunicorn", "-c", str(config)),
-            *("--workers", str(workers), "--worker-class", "sync"),
-            *("--bind", f"127.0.0.1:{self.port}", "--timeout", "30", "--graceful-timeout", "5"),
-            *("--access-logfile", "/dev/null", "--error-logfile", "-", app),
-        ]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, "not started"
-        return self.process.pid
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-        self.wait_for_workers(READY_SECONDS)
-
-    def worker_pids(self) -> set[int]:
-        """The pids of the master's live workers."""
-        return {int(e) for e in os.listdir("/proc") if e.isdigit() and _ppid_of(int(e)) == self.pid}
-
-    def wait_for_workers(
-        self, timeout: float, exclude: set[int] | frozenset[int] = frozenset()
-    ) -> set[int]:
-        """Until the master has all its workers (none in *exclude*) and accepts."""
-
-        def full() -> set[int] | None:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"gunicorn exited with {self.process.returncode}:\n{self.log_tail()}"
-                )
-            pids = self.worker_pids()
-            if len(pids) != self.workers or pids & exclude:
-                return None
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-            except OSError:
-                return None
-            return pids
-
-        try:
-            pids: set[int] = _wait_until(full, timeout, f"{self.workers} gunicorn workers", 0.05)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{self.log_tail()}") from None
-        return pids
-
-    def stop(self) -> None:
-        """SIGTERM the master and wait; SIGKILL it and its workers if it hangs."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            workers = self.worker_pids()
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                for pid in workers | {process.pid}:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                process.wait(10)
-        self.process = None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log()[-chars:]
+def _gunicorn(
+    app: str, *, workers: int, env: Mapping[str, str], cwd: Path, logs: Path
+) -> GunicornServer:
+    """The user's app under gunicorn, sync workers, each recording its decisions."""
+    config = logs / "gunicorn.conf.py"
+    config.write_text(GUNICORN_CONFIG)
+    return GunicornServer(
+        app,
+        log_path=logs / "gunicorn.log",
+        env=env,
+        cwd=cwd,
+        workers=workers,
+        config=config,
+        timeout=30,
+    )
 
 
 @dataclasses.dataclass
@@ -701,7 +604,7 @@ class _Faults:
         server: PostgresServer | None,
         database_url: str,
         proxy: _Proxies,
-        gunicorn: _Gunicorn,
+        gunicorn: GunicornServer,
         record: Path,
         rng: random.Random,
         logs: Path,
@@ -774,12 +677,12 @@ class _Faults:
         return sorted({r.pid for r in runs if not r.end and r.started > cutoff} & workers)
 
     def kill_worker(self) -> str:
-        workers = _wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
+        workers = wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
         busy = self.busy_workers(workers)
         victim = self.rng.choice(busy or sorted(workers))
         os.kill(victim, signal.SIGKILL)
         self.ended_pids.add(victim)
-        _wait_until(lambda: _ppid_of(victim) is None, 10, f"worker {victim} to die")
+        wait_until(lambda: ppid_of(victim) is None, 10, f"worker {victim} to die")
         return f"SIGKILL worker {victim} ({'busy' if busy else 'idle'})"
 
     def restart(self, mode: Literal["fast", "immediate"]) -> str:
@@ -867,7 +770,7 @@ class _Faults:
             self.reap()
             return all(c.code is not None for c in self.commands)
 
-        _wait_until(ended, CLI_TIMEOUT + 5, "the background commands to end", step=0.05)
+        wait_until(ended, CLI_TIMEOUT + 5, "the background commands to end", step=0.05)
 
     def sweep(self) -> None:
         """What cron does next: the cleaner, the reconciler, the completer, one by one."""
@@ -1248,13 +1151,13 @@ def _first_answers(clients: list[_Client], paths: list[str]) -> None:
     """Until every path got a 2xx (the app serves before any fault), or raise with what
     the unanswered paths got."""
     try:
-        _wait_until(
+        wait_until(
             lambda: all(any(c.acked(p) for c in clients) for p in paths),
             READY_SECONDS,
             "a 2xx on every path before the faults",
             step=0.05,
         )
-    except RuntimeError as exc:
+    except TimeoutError as exc:
         seen: dict[str, Counter[str]] = defaultdict(Counter)
         for client in clients:
             with client.lock:
@@ -1289,7 +1192,7 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
     threads: list[threading.Thread] = []
     with _Proxies(setup.database_url) as proxy:
         env = setup.served_env(proxy.url)
-        gunicorn = _Gunicorn(
+        gunicorn = _gunicorn(
             setup.app, workers=setup.workers, env=env, cwd=setup.cwd, logs=setup.logs
         )
         faults = _Faults(
@@ -1308,7 +1211,8 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
             for n in range(setup.clients)
         ]
         try:
-            gunicorn.start()
+            gunicorn.start(READY_SECONDS)
+            gunicorn.wait_for_workers(READY_SECONDS)
             timings["setup"] = time.monotonic() - began
             threads = _run_clients(clients, time.monotonic() + setup.seconds + 120, True)
             _first_answers(clients, sorted({r.path for r in setup.requests}))
