@@ -23,8 +23,11 @@ import psycopg
 import pytest
 from flask import Flask
 
-from flask_idempotency import Idempotency
 from tests.support.gunicorn_server import ROOT
+from tests.unit.test_replication_check import (  # noqa: F401  (apps: a fixture)
+    apps,
+    make_app,
+)
 
 #: the advisory lock functions the extension calls, each a no-op that says it succeeded
 NO_OP_LOCKS = """
@@ -60,32 +63,6 @@ def emulated_url(database_url: str) -> Iterator[str]:
             conn.execute(f"DROP ROLE {name}")
 
 
-@pytest.fixture
-def apps() -> Iterator[list[Flask]]:
-    made: list[Flask] = []
-    yield made
-    for app in made:
-        app.extensions["idempotency"].store.close()
-
-
-def make_app(made: list[Flask], url: str, **config: Any) -> tuple[Flask, list[str]]:
-    """An app whose ``/pay`` records each run of its view in the returned list."""
-    app = Flask("emulated_locks")
-    app.config.update(IDEMPOTENCY_DATABASE_URL=url, **config)
-    idempotency = Idempotency(app)
-    idempotency.tenant_loader(lambda: "")
-    runs: list[str] = []
-
-    @app.post("/pay")
-    @idempotency.idempotent
-    def pay() -> tuple[dict[str, str], int]:
-        runs.append("ran")
-        return {"paid": "yes"}, 201
-
-    made.append(app)
-    return app, runs
-
-
 def tables(url: str) -> list[str]:
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
@@ -104,7 +81,10 @@ def test_the_no_op_locks_are_what_the_role_calls(emulated_url: str) -> None:
 
 @pytest.mark.parametrize("fail_open", [False, True])
 def test_requests_are_refused_and_nothing_runs(
-    emulated_url: str, apps: list[Flask], caplog: pytest.LogCaptureFixture, fail_open: bool
+    emulated_url: str,
+    apps: list[Flask],  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+    fail_open: bool,
 ) -> None:
     app, runs = make_app(apps, emulated_url, IDEMPOTENCY_FAIL_OPEN=fail_open)
     caplog.set_level(logging.WARNING, logger="flask_idempotency")
