@@ -74,19 +74,34 @@ class Dispatcher:
         be handed over): while a round handed an ordered job over, the batch takes
         another round, in the same transaction, up to *limit* jobs in all.
 
+        On Citus the batch is one such transaction per tenant with due jobs (each on one
+        shard, :meth:`~..store.batches.Batches.dispatch_scopes`).
+
         :raises StoreError: the store failed; nothing was forgotten.
         """
         outcomes: list[Outcome] = []
-        with self.batches.due_jobs(limit) as (jobs, batch):
-            while jobs:
-                handed_over = self._run_round(jobs, batch, outcomes)
-                if not handed_over or len(outcomes) >= limit:
-                    break
-                jobs = self.batches.next_jobs(limit - len(outcomes), handed_over, batch)
+        for tenant in self.batches.dispatch_scopes(limit):
+            self._run_scope(limit, tenant, outcomes)
+            if len(outcomes) >= limit:
+                break
         return outcomes
 
+    def _run_scope(self, limit: int, tenant: str | None, outcomes: list[Outcome]) -> None:
+        """One transaction of the batch: the due jobs of *tenant* (None: of every tenant),
+        round after round, until the batch has *limit* outcomes."""
+        with self.batches.due_jobs(limit - len(outcomes), tenant) as (jobs, batch):
+            while jobs:
+                handed_over = self._run_round(jobs, batch, outcomes, tenant)
+                if not handed_over or len(outcomes) >= limit:
+                    break
+                jobs = self.batches.next_jobs(limit - len(outcomes), handed_over, batch, tenant)
+
     def _run_round(
-        self, jobs: list[Job], batch: HeldTransaction, outcomes: list[Outcome]
+        self,
+        jobs: list[Job],
+        batch: HeldTransaction,
+        outcomes: list[Outcome],
+        tenant: str | None = None,
     ) -> list[tuple[str, str]]:
         """Hand one round's jobs over, forget or reschedule them in the batch's
         transaction: the keys whose ordered job was handed over (their next one is due)."""
@@ -105,9 +120,9 @@ class Dispatcher:
                 name = FAILED if undispatched.counts else UNKNOWN_NAME
                 outcomes.append(_outcome(job, name, undispatched.reason))
         if done:
-            self.batches.forget_jobs(done, batch)
+            self.batches.forget_jobs(done, batch, tenant)
         if kept:
-            self.batches.fail_jobs(self._failure_params(kept), batch)
+            self.batches.fail_jobs(self._failure_params(kept), batch, tenant)
         return handed_over
 
     def _hand_over(self, job: Job) -> Undispatched | None:

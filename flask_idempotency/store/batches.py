@@ -50,7 +50,17 @@ from .statements_background import (
     TAKE_OVER,
     UNRESERVE,
 )
-from .statements_citus import COMPLETION_RECHECK, RECONCILE_RECHECK, without_row_locks
+from .statements_citus import (
+    COMPLETION_RECHECK,
+    DELETE_JOBS_CITUS,
+    DUE_JOBS_CITUS,
+    DUE_TENANTS,
+    FAIL_JOBS_CITUS,
+    RECONCILE_RECHECK,
+    TAKE_OVER_CITUS,
+    UNRESERVE_CITUS,
+    without_row_locks,
+)
 
 #: a key's fence, as a batch saw it: (tenant, key, attempt, generation, reserved)
 Fence = tuple[str, str, int, int, "datetime.datetime | None"]
@@ -90,6 +100,13 @@ class Batches:
         self._delete_jobs = statement(DELETE_JOBS)
         self._fail_jobs = statement(FAIL_JOBS)
         self._next_jobs = statement(NEXT_JOBS)
+        # on Citus: the takeover's lock in a CTE, and a dispatch batch per tenant (one shard)
+        self._citus_take_over = statement(TAKE_OVER_CITUS)
+        self._citus_unreserve = statement(UNRESERVE_CITUS)
+        self._citus_due_tenants = statement(DUE_TENANTS)
+        self._citus_due_jobs = statement(DUE_JOBS_CITUS)
+        self._citus_delete_jobs = statement(DELETE_JOBS_CITUS)
+        self._citus_fail_jobs = statement(FAIL_JOBS_CITUS)
 
     def open_request(
         self, tenant: str, key: str, document: str, body: bytes | None
@@ -151,14 +168,18 @@ class Batches:
             lock_id=lock_id(fence[0], fence[1]),
             **self.store.owner_mark().params(),
         )
-        taken = record_of(Taken, self.store.fetch(self._take_over, params, pinned))
-        if taken is not None and pinned is None:
-            self.store.renew_while_held(fence[0], fence[1], taken, lease.total_seconds())
+        statement = self._citus_take_over if self.store.citus else self._take_over
+        with self.store.claiming(fence[0], fence[1], params, pinned) as sent:
+            taken = record_of(Taken, self.store.fetch(statement, params, pinned))
+            sent.owns = taken is not None
+            if taken is not None and pinned is None:
+                self.store.renew_while_held(fence[0], fence[1], taken, lease.total_seconds())
         return taken
 
     def unreserve(self, fence: Fence) -> None:
         """Leave a key that was not run as it was: end the batch's reservation."""
-        self.store.run(self._unreserve, _fence_params(fence))
+        statement = self._citus_unreserve if self.store.citus else self._unreserve
+        self.store.run(statement, _fence_params(fence))
 
     def mark_unknown(self, fence: Fence) -> bool:
         """An abandoned claim of a route with ``ON_ABANDONED = "unknown"`` becomes
@@ -212,11 +233,23 @@ class Batches:
 
     # -- the dispatcher -------------------------------------------------------------
 
+    def dispatch_scopes(self, limit: int) -> list[str | None]:
+        """What one dispatch batch's transactions each take: ``[None]`` (every tenant,
+        one transaction); on Citus the tenants with due jobs (up to *limit*), one
+        transaction each, so that each holds its row locks on one shard (SPEC §22)."""
+        if not self.store.citus:
+            return [None]
+        rows = self.store.fetch(self._citus_due_tenants, {"limit": limit}, prepare=False)
+        return [tenant for (tenant,) in rows.rows]
+
     @contextmanager
-    def due_jobs(self, limit: int) -> Iterator[tuple[list[Job], HeldTransaction]]:
-        """Lock up to *limit* due jobs in a transaction that lasts the block: the jobs,
-        and the transaction for :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs`.
-        Commits when the block ends, rolls back if it raises.
+    def due_jobs(
+        self, limit: int, tenant: str | None = None
+    ) -> Iterator[tuple[list[Job], HeldTransaction]]:
+        """Lock up to *limit* due jobs (of *tenant*, a scope of :meth:`dispatch_scopes`)
+        in a transaction that lasts the block: the jobs, and the transaction for
+        :meth:`next_jobs`, :meth:`forget_jobs` and :meth:`fail_jobs` (given the same
+        *tenant*). Commits when the block ends, rolls back if it raises.
 
         Its statements are never prepared: a lost prepared statement would abort a
         transaction whose jobs were handed over already.
@@ -224,8 +257,9 @@ class Batches:
         store = self.store
         pinned = store.hold()
         try:
-            params = {"limit": limit}
-            rows = store.fetch(self._due_jobs, params, pinned, prepare=False)
+            params = {"limit": limit, "tenant": tenant, "keys": None}
+            due = self._due_jobs if tenant is None else self._citus_due_jobs
+            rows = store.fetch(due, params, pinned, prepare=False)
             yield jobs_of(rows), pinned
         except BaseException:
             pinned.roll_back()
@@ -233,7 +267,11 @@ class Batches:
         pinned.commit()
 
     def next_jobs(
-        self, limit: int, handed_over: list[tuple[str, str]], pinned: HeldTransaction
+        self,
+        limit: int,
+        handed_over: list[tuple[str, str]],
+        pinned: HeldTransaction,
+        tenant: str | None = None,
     ) -> list[Job]:
         """The batch's next round: the due successors (up to *limit*) of the ordered
         jobs of the keys *handed_over* (``(tenant, key)`` each), locked in the batch's
@@ -242,17 +280,25 @@ class Batches:
             "limit": limit,
             "tenants": [tenant for tenant, _ in handed_over],
             "keys": [key for _, key in handed_over],
+            "tenant": tenant,
         }
-        return jobs_of(self.store.fetch(self._next_jobs, params, pinned, prepare=False))
+        statement = self._next_jobs if tenant is None else self._citus_due_jobs
+        return jobs_of(self.store.fetch(statement, params, pinned, prepare=False))
 
-    def forget_jobs(self, ids: list[str], pinned: HeldTransaction) -> None:
+    def forget_jobs(
+        self, ids: list[str], pinned: HeldTransaction, tenant: str | None = None
+    ) -> None:
         """Delete the jobs *ids* (handed over) in the batch's transaction."""
-        self.store.run(self._delete_jobs, {"ids": ids}, pinned, prepare=False)
+        statement = self._delete_jobs if tenant is None else self._citus_delete_jobs
+        self.store.run(statement, {"ids": ids, "tenant": tenant}, pinned, prepare=False)
 
-    def fail_jobs(self, params: dict[str, Any], pinned: HeldTransaction) -> None:
+    def fail_jobs(
+        self, params: dict[str, Any], pinned: HeldTransaction, tenant: str | None = None
+    ) -> None:
         """Count a failed hand-over of each job of *params* and schedule its next
         (``ids``, ``errors``, ``countable``, ``backoff``, ``cap``, ``max_attempts``)."""
-        self.store.run(self._fail_jobs, params, pinned, prepare=False)
+        statement = self._fail_jobs if tenant is None else self._citus_fail_jobs
+        self.store.run(statement, {**params, "tenant": tenant}, pinned, prepare=False)
 
 
 def _fence_params(fence: Fence) -> dict[str, Any]:

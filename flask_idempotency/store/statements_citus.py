@@ -33,9 +33,20 @@ from __future__ import annotations
 
 import re
 
+from .statements_background import DELETE_JOBS, DUE_JOBS, FAIL_JOBS, TAKE_OVER, UNRESERVE
 from .statements_request import FINISH, FINISH_GRACE_SECONDS
 
-__all__ = ["CLAIM", "CLAIM_NEW", "FINISH_CITUS"]
+__all__ = [
+    "CLAIM",
+    "CLAIM_NEW",
+    "DELETE_JOBS_CITUS",
+    "DUE_JOBS_CITUS",
+    "DUE_TENANTS",
+    "FAIL_JOBS_CITUS",
+    "FINISH_CITUS",
+    "TAKE_OVER_CITUS",
+    "UNRESERVE_CITUS",
+]
 
 # The decision, as statements_request.CLAIM makes it without an owner lock (no owner on
 # Citus: a claim in flight is abandoned when its lease ends). The clock's values are read
@@ -212,3 +223,107 @@ def abandoned_without_row_locks(query: str) -> str:
     query = query.replace(_DUE_IF_UNKNOWN, _DUE_IF_UNKNOWN_CITUS)
     query = _SIMPLE_CASE.sub(r"CASE WHEN \1 =", query)
     return without_row_locks(query, ABANDONED_RECHECK, ABANDONED_JOINED)
+
+
+# -- the completer's takeover (SPEC §22) ----------------------------------------------------------
+#
+# Citus refuses a function that is not immutable in the WHERE of a modification
+# (TAKE_OVER's pg_try_advisory_xact_lock). As in CLAIM, the lock is taken in a CTE that
+# reads the key's row, so the statement stays one task and the lock is taken on the shard's
+# node, where a client's claim takes it, whichever node the completer entered at.
+_TAKE_OVER_LOCK = "\n  AND pg_try_advisory_xact_lock(%(lock_id)s::bigint)"
+_TAKE_OVER_WHERE = "WHERE tenant = %(tenant)s AND key = %(key)s AND locked_until = %(reserved)s"
+_TAKE_OVER_RETURNING = "RETURNING attempt, generation, recovery_point\n"
+if not all(  # pragma: no cover - a change of TAKE_OVER must be carried over here
+    part in TAKE_OVER for part in (_TAKE_OVER_LOCK, _TAKE_OVER_WHERE, _TAKE_OVER_RETURNING)
+):
+    raise RuntimeError("statements_citus: TAKE_OVER changed; carry the change over")
+
+TAKE_OVER_CITUS = (
+    "\nWITH lock AS (\n    SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted\n"
+    "    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s\n), taken AS ("
+    + TAKE_OVER.replace(_TAKE_OVER_LOCK, "").replace(
+        _TAKE_OVER_WHERE,
+        "FROM lock\n" + _TAKE_OVER_WHERE.replace("WHERE ", "WHERE lock.granted AND "),
+    )
+    + ")\nSELECT attempt, generation, recovery_point FROM taken\n"
+)
+
+_UNRESERVE_LEASE = "locked_until = CASE WHEN status = 'processing' THEN now() END"
+if _UNRESERVE_LEASE not in UNRESERVE:  # pragma: no cover
+    raise RuntimeError("statements_citus: UNRESERVE changed; carry the change over")
+#: the same value, with no function inside the CASE (now() + NULL is NULL)
+UNRESERVE_CITUS = UNRESERVE.replace(
+    _UNRESERVE_LEASE,
+    "locked_until = now() + CASE WHEN status = 'processing' THEN interval '0' END",
+)
+
+
+# -- the dispatcher (SPEC §22): one tenant's jobs a transaction ---------------------------------
+#
+# A dispatcher's batch holds its jobs' row locks for its transaction's life (a dispatcher
+# that dies hands its batch back at once), which Citus refuses across shards. A tenant's
+# jobs live on one shard (the jobs table is distributed by tenant): so on Citus a batch is
+# a few transactions, one per tenant with due jobs (DUE_TENANTS, read without locks), each
+# the plain batch narrowed to its tenant, planned as one task and holding its row locks on
+# one node. The guarantees are the plain ones: disjoint batches across hosts (SKIP LOCKED),
+# a job forgotten only after its hand-over returned, a dead dispatcher's jobs due again at
+# once, a key's ordered jobs one after another. No schema change.
+_DUE_FILTER = "WHERE NOT dead AND due_at <= now()"
+_EARLIER = "WHERE earlier.tenant = j.tenant"
+_FAILED = "WHERE j.id = failed.id"
+_FAIL_SET = """SET attempts = j.attempts + 1,
+    last_error = failed.error,
+    due_at = now() + least(%(backoff)s * 2 ^ least(j.attempts, 30), %(cap)s),
+    dead = failed.countable AND j.attempts + 1 >= %(max_attempts)s
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
+     AS failed (id, error, countable)
+"""
+if (  # pragma: no cover - a change of the dispatcher's statements must be carried over here
+    _DUE_FILTER not in DUE_JOBS
+    or _EARLIER not in DUE_JOBS
+    or not DUE_JOBS.rstrip().endswith("FOR UPDATE SKIP LOCKED")
+    or _FAILED not in FAIL_JOBS
+    or _FAIL_SET not in FAIL_JOBS
+    or "WHERE id = " not in DELETE_JOBS
+):
+    raise RuntimeError("statements_citus: the dispatcher's statements changed; carry it over")
+
+_DUE_WHERE = DUE_JOBS[DUE_JOBS.index(_DUE_FILTER) : DUE_JOBS.index("ORDER BY due_at")]
+
+#: the tenants with due jobs, the longest due first; no row locks (many shards)
+DUE_TENANTS = (
+    "\nSELECT j.tenant FROM {jobs} AS j\n"
+    + _DUE_WHERE
+    + "GROUP BY j.tenant\nORDER BY min(j.due_at)\nLIMIT %(limit)s\n"
+)
+
+#: DUE_JOBS for one tenant (one shard), or, given %(keys)s, NEXT_JOBS: the due ordered
+#: jobs of those keys with no earlier one left in the batch's own view (the successors of
+#: the jobs it just handed over and deleted)
+DUE_JOBS_CITUS = DUE_JOBS.replace(
+    _DUE_FILTER,
+    "WHERE j.tenant = %(tenant)s AND NOT dead AND due_at <= now()\n"
+    "  AND (%(keys)s::text[] IS NULL OR j.seq IS NOT NULL AND j.key = ANY(%(keys)s::text[]))",
+).replace(_EARLIER, "WHERE earlier.tenant = %(tenant)s")
+
+DELETE_JOBS_CITUS = DELETE_JOBS.replace("WHERE id = ", "WHERE tenant = %(tenant)s AND id = ")
+
+# Citus refuses now() + an interval computed from the row's columns in an UPDATE's SET
+# ("STABLE functions used in UPDATE queries cannot be called with column references"): the
+# values are read first, in the same transaction, under the batch's row locks.
+FAIL_JOBS_CITUS = """
+WITH failed AS (
+    SELECT j.id, f.error,
+           now() + least(%(backoff)s * 2 ^ least(j.attempts, 30), %(cap)s) AS due_at,
+           f.countable AND j.attempts + 1 >= %(max_attempts)s AS dead
+    FROM {jobs} AS j
+    JOIN unnest(%(ids)s::uuid[], %(errors)s::text[], %(countable)s::boolean[])
+         AS f (id, error, countable) ON j.id = f.id
+    WHERE j.tenant = %(tenant)s
+)
+UPDATE {jobs} AS j
+SET attempts = j.attempts + 1, last_error = failed.error, due_at = failed.due_at,
+    dead = failed.dead
+FROM failed WHERE j.tenant = %(tenant)s AND j.id = failed.id
+"""

@@ -18,7 +18,11 @@ progress with ``Retry-After``; twins sent through both nodes at once run the vie
 two-phase commit); a worker killed (``kill -9``) mid-view: the retry after the lease runs
 the view again (leases alone on Citus); ``IDEMPOTENCY_WAIT`` polls. The plans of the
 request path's statements show one task each. Then the background commands and the console
-on the distributed tables.
+on the distributed tables: ``flask idempotency-complete`` (a fresh process) finishes a
+``complete=True`` route's abandoned claim and an ``asynchronous=True`` key deferred through a
+worker; a phase advanced inside a view commits its write, its recovery point and its jobs;
+two ``flask idempotency-dispatch`` processes at once hand each staged job over once (a key's
+ordered jobs in order, a failed hand-over kept), one tenant's jobs a transaction.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -213,6 +220,8 @@ class Served:
     payments: str
     coordinator: GunicornServer
     worker: GunicornServer
+    #: the app's environment on the coordinator (for the background commands' processes)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def executions(self, key: str) -> list[tuple[int, int]]:
         """(attempt, pid) of each run of the view under *key*."""
@@ -245,12 +254,17 @@ def served(citus: CitusCluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
     query(citus.url, "SELECT create_distributed_table(%s, 'tenant')", payments)
     create_tables(citus.url)  # the executions and gates: local tables of the coordinator
     settings = {name.removeprefix("IDEMPOTENCY_").lower(): value for name, value in names.items()}
-    settings.update(colocate_with=payments, lease=LEASE)
+    # the completer reruns a stored request under its tenant: X-Tenant is stored with it
+    settings.update(
+        colocate_with=payments, lease=LEASE, stored_request_headers=["Content-Type", "X-Tenant"]
+    )
     base = tmp_path_factory.mktemp("citus-gunicorn")
     servers: list[GunicornServer] = []
+    envs: list[dict[str, str]] = []
     try:
         for n, url in enumerate((citus.url, citus.worker_urls[0])):
             env = {**environment(url, citus.url, **settings), "CITUS_PAYMENTS_TABLE": payments}
+            envs.append(env)
             server = GunicornServer(
                 "tests.apps.citus_app:create_app()",
                 log_path=base / f"gunicorn-{n}.log",
@@ -268,7 +282,7 @@ def served(citus: CitusCluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 app.extensions["idempotency"].store.close()
                 assert result.exit_code == 0, result.output
             server.start()
-        yield Served(citus, names, payments, *servers)
+        yield Served(citus, names, payments, *servers, env=envs[0])
     finally:
         for server in servers:
             server.stop()
@@ -442,6 +456,145 @@ def test_a_waiting_duplicate_polls_for_the_replay(
     assert runs == [1]
 
 
+# -- the background commands as fresh processes, on the served app's tables ---------------------
+
+
+def flask_command(served: Served, *args: str) -> subprocess.CompletedProcess[str]:
+    """``flask --app tests.apps.citus_app:create_app() <args>`` in a process of its own,
+    connected to the coordinator."""
+    env = {**os.environ, **served.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "flask", "--app", "tests.apps.citus_app:create_app()"]
+    return subprocess.run(
+        [*command, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_the_completer_finishes_an_abandoned_claim_and_a_deferred_key(served: Served) -> None:
+    citus = served.citus
+    keys_table = served.names["IDEMPOTENCY_TABLE"]
+    key, deferred_key = f"abandoned-{uuid.uuid4().hex}", f"deferred-{uuid.uuid4().hex}"
+    gate = f"gate-{key}"
+    query(citus.url, "INSERT INTO e2e_gates (name) VALUES (%s)", gate)
+    acme, globex = {"X-Tenant": "acme"}, {"X-Tenant": "globex"}
+    first: list[BaseException | Response] = []
+
+    def send() -> None:
+        try:
+            first.append(
+                post(served.coordinator.port, "/complete", key, headers={**acme, "X-Gate": gate})
+            )
+        except OSError as exc:
+            first.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    ((_, pid),) = wait_until(lambda: served.executions(key), 10, "the view to start")
+    os.kill(pid, signal.SIGKILL)  # its client gave up too: nobody retries this key
+    thread.join(30)
+    query(citus.url, "UPDATE e2e_gates SET open = true WHERE name = %s", gate)
+    # asynchronous=True: handed to the background, entering at a worker
+    accepted = post(served.worker.port, "/deferred", deferred_key, headers=globex)
+    assert accepted.status == 202, accepted.body
+    assert served.executions(deferred_key) == []
+    wait_until(  # leases alone on Citus: the claim is abandoned once its lease is over
+        lambda: query(
+            citus.url,
+            f"SELECT 1 FROM {keys_table} WHERE key = %s AND locked_until <= now()",
+            key,
+        ),
+        LEASE + 10,
+        "the lease to end",
+        step=0.2,
+    )
+
+    result = flask_command(served, "idempotency-complete", "--older-than", "0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [attempt for attempt, _ in served.executions(key)] == [1, 2], (
+        result.stdout + result.stderr
+    )
+    assert len(served.executions(deferred_key)) == 1
+    replay = post(served.worker.port, "/complete", key, headers=acme)
+    assert replay.status == 201 and replay.replayed and replay.json()["attempt"] == 2
+    replay = post(served.coordinator.port, "/deferred", deferred_key, headers=globex)
+    assert replay.status == 201 and replay.replayed, replay.body
+    assert len(served.executions(deferred_key)) == 1
+    served.coordinator.wait_for_workers()
+
+
+def test_a_phase_and_its_jobs_dispatched_once_by_two_dispatchers(served: Served) -> None:
+    citus = served.citus
+    jobs_table = served.names["IDEMPOTENCY_JOBS_TABLE"]
+    # a phase advanced inside the view, entering at a worker: its write, its recovery point
+    # and its staged jobs commit together on the shard's node
+    phased = {}
+    for tenant in ("acme", "globex", "initech", "umbrella"):
+        key = f"phased-{uuid.uuid4().hex}"
+        answer = post(served.worker.port, "/phased", key, headers={"X-Tenant": tenant})
+        assert answer.status == 201 and answer.json() == {"point": "charged"}, answer.body
+        phased[tenant] = key
+        assert (
+            post(
+                served.coordinator.port, "/pay", f"paid-{key}", headers={"X-Tenant": tenant}
+            ).status
+            == 201
+        )
+    rows = query(
+        citus.url,
+        f"SELECT k.tenant, k.recovery_point, p.amount FROM {served.names['IDEMPOTENCY_TABLE']} k"
+        f" JOIN {served.payments} p USING (tenant, key) WHERE key = ANY(%s) ORDER BY 1",
+        list(phased.values()),
+    )
+    assert rows == [(tenant, "charged", 1) for tenant in sorted(phased)]
+
+    staged = query(citus.url, f"SELECT id::text, tenant, key, name, seq FROM {jobs_table}")
+    assert len(staged) >= 4 * 4
+    # two dispatchers at once, each in a process of its own: each job handed over once
+    started = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flask",
+                "--app",
+                "tests.apps.citus_app:create_app()",
+                "idempotency-dispatch",
+                "--limit",
+                "100",
+            ],
+            env={
+                **os.environ,
+                **served.env,
+                "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for process in started:
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, out + err
+
+    handed = query(
+        citus.url,
+        "SELECT substr(key, 5), attempt FROM e2e_executions WHERE key = ANY(%s) ORDER BY at",
+        [f"job:{job_id}" for job_id, *_ in staged],
+    )
+    order = [job_id for job_id, _ in handed]
+    booms = {job_id for job_id, _, _, name, _ in staged if name == "boom"}
+    assert sorted(order) == sorted(job_id for job_id, *_ in staged if job_id not in booms)
+    for tenant, key in phased.items():  # a key's ordered jobs in their order
+        steps = sorted((seq, job_id) for job_id, t, k, _, seq in staged if k == key and seq)
+        assert [order.index(job_id) for _, job_id in steps] == sorted(
+            order.index(job_id) for _, job_id in steps
+        ), tenant
+    left = query(citus.url, f"SELECT id::text, attempts, dead, last_error FROM {jobs_table}")
+    assert {job_id for job_id, *_ in left} == booms  # the failed hand-overs are kept
+    assert {(attempts, dead) for _, attempts, dead, _ in left} == {(1, False)}
+    assert all("broker down" in error for *_, error in left)
+
+
 def test_the_request_paths_plans_are_one_task(
     citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
 ) -> None:
@@ -535,13 +688,13 @@ def test_cleaner_reconciler_cli_and_console_on_the_distributed_tables(
             key,
         )
 
-    # a job staged with the finish (the dispatcher is not on Citus yet: docs/howto/citus.md)
+    # a job staged with the finish (dispatched: test_a_phase_and_its_jobs_dispatched_once…)
     assert send("/staged", "s1", "acme").status_code == 201
     jobs = query(citus.url, f"SELECT tenant, key, name FROM {names['IDEMPOTENCY_JOBS_TABLE']}")
     assert jobs == [("acme", "s1", "receipt")]
 
-    # a retryable key of a complete=True route (the completer's takeover is not on Citus
-    # yet: docs/howto/citus.md); the operators' CLI and the console below show it
+    # a retryable key of a complete=True route (left to the operators' CLI and the console
+    # below; the completer's takeover: test_the_completer_finishes_an_abandoned_claim…)
     assert send("/complete", "c1", "globex").status_code == 500
     assert status("globex", "c1") == [("retryable",)]
 
