@@ -47,7 +47,7 @@ from .schema import Schema, SchemaBusy
 from .sealing import AtRest
 from .statement import Rows, Statement, execute, fetch
 from .statements_background import FREE_OWNERS
-from .statements_request import DISOWN, RENEW
+from .statements_request import DISOWN, HAND_BACK, RENEW
 
 __all__ = ["Execution", "HeldTransaction", "bounded_transaction"]
 
@@ -210,8 +210,13 @@ class Execution:
                     Statement(self.render(RENEW)),
                     Statement(self.render(DISOWN)),
                     settings.statement_timeout,
+                    Statement(self.render(HAND_BACK, notify=self._wake_twins())),
                 )
             return self._owner
+
+    def _wake_twins(self) -> sql.Composable:
+        """SQL: the NOTIFY that wakes the requests waiting for the key ``%(lock_id)s``."""
+        return sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(sql.Literal(self.channel))
 
     def _live_owner(self) -> Owner | None:
         """This process's owner, if it made one already (one inherited through ``fork()``
@@ -424,12 +429,15 @@ class Execution:
         prepare: bool | None = None,
         commit: bool = False,
         patient: bool = False,
+        on_lost: Callable[[], None] | None = None,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
         its first row, if any. With *commit*, *pinned*'s transaction commits in the
         same round trip. *patient* (the end of a claim, whose answer was given): a pool
         that had no connection to give is asked again for the rest of the bound, where
-        a request still deciding answers 503 after one pool wait.
+        a request still deciding answers 503 after one pool wait. *on_lost* is called
+        when a try's connection died under it (the statement may have run) before it is
+        sent again.
 
         Every statement the package sends comes through here or :meth:`fetch`: the
         pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
@@ -441,7 +449,7 @@ class Execution:
         :raises StoreError: the store failed.
         """
         runner = functools.partial(execute, commit=True) if commit else execute
-        return self._attempt(runner, query, params, pinned, prepare, patient)
+        return self._attempt(runner, query, params, pinned, prepare, patient, on_lost)
 
     def fetch(
         self,
@@ -465,6 +473,7 @@ class Execution:
         pinned: HeldTransaction | None,
         prepare: bool | None,
         patient: bool = False,
+        on_lost: Callable[[], None] | None = None,
     ) -> _T:
         """Run *query*; on a pooled connection, again where that is known to be safe:
         once after a failure that ran nothing (:meth:`_recoverable`), and on another
@@ -494,6 +503,8 @@ class Execution:
                 lost = is_connection_lost(exc.__cause__) or waited
                 if timeout <= 0 or not lost:
                     raise
+                if on_lost is not None and is_connection_lost(exc.__cause__):
+                    on_lost()
                 logger.warning("a connection died under a statement (%s): sending it again", exc)
 
     def _execute(

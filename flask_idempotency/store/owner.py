@@ -37,13 +37,15 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg import pq
 
 from ..errors import StoreError
+from ..keys import lock_id
 from .pool import bounded, one_line
 from .statement import Statement
 
@@ -130,6 +132,20 @@ def new_owner_id() -> int:
 
 
 @dataclasses.dataclass
+class Claiming:
+    """A claim being sent (:meth:`Owner.claiming`): *lost* once a try of it got no answer
+    (its connection died, its bound ran out: it may have committed), *owns* once its answer
+    says this process owns the key."""
+
+    lost: bool = False
+    owns: bool = False
+
+    def lose(self) -> None:
+        """A try of the claim was sent and got no answer."""
+        self.lost = True
+
+
+@dataclasses.dataclass
 class Held:
     """A claim in flight: renewed while its process lives; with a kept finish, stored
     as soon as the database answers."""
@@ -148,10 +164,11 @@ class Owner:
 
     *connect* opens the lock's connection (a :class:`~.pool.BoundedConnection`); *run*
     is the store's one execution path (:meth:`~.execution.Execution.run`: bounded, sent
-    again on a lost connection), on which the renewals (*renew*), the kept answers and,
-    should the lock turn out not to be its session's, the hand-over of its claims to their
-    leases (*disown*) are sent; *timeout* bounds each statement on the lock's connection.
-    The threads start at the first :meth:`current` of the process.
+    again on a lost connection), on which the renewals (*renew*), the kept answers, the
+    hand-back of claims whose answer was lost (*hand_back*) and, should the lock turn out
+    not to be its session's, the hand-over of its claims to their leases (*disown*) are
+    sent; *timeout* bounds each statement on the lock's connection. The threads start at
+    the first :meth:`current` of the process.
     """
 
     def __init__(
@@ -161,17 +178,25 @@ class Owner:
         renew: Statement,
         disown: Statement,
         timeout: float,
+        hand_back: Statement | None = None,
     ) -> None:
         self._connect = connect
         self._run = run
         self._renew = renew
         self._disown = disown
+        self._hand_back = hand_back
         self._timeout = timeout
         self.id = new_owner_id()
         self.host = socket.gethostname()[:255]
         self.pid = os.getpid()
         self._held: dict[tuple[str, str, int, int], Held] = {}
         self._lock = threading.Lock()
+        #: claims being sent now, by (tenant, key); claims whose answer was lost, to be
+        #: handed back; and the keys being handed back right now (never both at once)
+        self._sending: dict[tuple[str, str], int] = {}
+        self._unanswered: set[tuple[str, str]] = set()
+        self._handing: set[tuple[str, str]] = set()
+        self._settled = threading.Condition(self._lock)
         self._holding = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -272,6 +297,56 @@ class Owner:
         self._start()
         return True
 
+    @contextmanager
+    def claiming(self, tenant: str, key: str) -> Iterator[Claiming]:
+        """Around the sending of a claim of *key* that records this owner, until its claim
+        is held (:meth:`hold`): a claim that may have committed without its answer reaching
+        the process (:attr:`Claiming.lost`, or a :class:`StoreError`) is remembered and
+        handed back as soon as the database answers (SPEC §20). While a claim of the key is
+        being sent, none of its hand-backs is; while one is being handed back, the claim
+        waits for it (up to the statement timeout: else 503). A claim that owns the key
+        forgets a lost one: the row is this claim's now; a claim lost while the process
+        holds another claim of the key is not remembered: that one's view may be running.
+
+        :raises StoreError: the key was being handed back for longer than the wait.
+        """
+        name = (tenant, key)
+        with self._settled:
+            if not self._settled.wait_for(lambda: name not in self._handing, self._timeout):
+                raise StoreError(f"key {key!r} is being handed back; try again")
+            self._sending[name] = self._sending.get(name, 0) + 1
+        claim = Claiming()
+        try:
+            yield claim
+        except StoreError:
+            claim.lost = True  # sent, or not: a hand-back of a claim never made does nothing
+            raise
+        finally:
+            with self._settled:
+                left = self._sending.pop(name) - 1
+                if left:
+                    self._sending[name] = left
+                if claim.owns:
+                    self._unanswered.discard(name)
+                elif claim.lost and self._hand_back is not None and self.usable:
+                    # a key this process holds a claim of is left alone: its claim is renewed,
+                    # so the lost one was fenced (unless the lease lapsed: then as before)
+                    if not any(held[:2] == name for held in self._held):
+                        self._unanswered.add(name)
+            if claim.lost and not claim.owns:
+                self._start()
+
+    def lost(self, tenant: str, key: str) -> None:
+        """Remember a claim of *key* whose answer was lost (as :meth:`claiming` does)."""
+        with self.claiming(tenant, key) as claim:
+            claim.lose()
+
+    @property
+    def unanswered(self) -> int:
+        """How many claims whose answer was lost wait to be handed back."""
+        with self._lock:
+            return len(self._unanswered)
+
     @property
     def kept(self) -> int:
         """How many kept answers wait to be stored."""
@@ -359,6 +434,7 @@ class Owner:
             try:
                 self._store_kept()
                 self._renew_due()
+                self._hand_back_unanswered()
             except StoreError as exc:
                 if not self._said_failing:
                     logger.warning("owner %d cannot renew its claims now: %s", self.id, exc)
@@ -391,6 +467,45 @@ class Owner:
                 )
             if held.on_kept is not None:
                 held.on_kept(stored)
+
+    def _hand_back_unanswered(self) -> None:
+        """Hand back the claims whose answer was lost (:meth:`claiming`), fenced by this
+        owner and by the claims it holds: a key none of whose claims is being sent."""
+        with self._lock:
+            due = [name for name in self._unanswered if not self._sending.get(name)]
+            self._handing.update(due)
+        try:
+            for name in due:
+                self._hand_back_one(*name)
+        finally:
+            with self._settled:
+                self._handing.difference_update(due)
+                self._settled.notify_all()
+
+    def _hand_back_one(self, tenant: str, key: str) -> None:
+        assert self._hand_back is not None
+        with self._lock:  # no claim of the key is sent meanwhile: this set stays true
+            held = [claim.params for name, claim in self._held.items() if name[:2] == (tenant, key)]
+        params = {
+            "tenant": tenant,
+            "key": key,
+            "owner": self.id,
+            "lock_id": lock_id(tenant, key),
+            "attempts": [claim["attempt"] for claim in held],
+            "generations": [claim["generation"] for claim in held],
+        }
+        _, row = self._run(self._hand_back, params)
+        granted, forgotten, ended = row[:3] if row else (False, 0, 0)
+        if not granted:
+            return  # a claim of the key is in flight (another process's): the next tick
+        with self._lock:
+            self._unanswered.discard((tenant, key))
+        if forgotten or ended:
+            logger.info(
+                "decision=handed_back key=%r: a claim whose answer was lost is %s",
+                key,
+                "forgotten" if forgotten else "left to its on_abandoned",
+            )
 
     def _renew_due(self) -> None:
         now = time.monotonic()

@@ -16,7 +16,7 @@ import os
 import time
 import typing
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,7 +31,7 @@ from ..keys import lock_id
 from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
 from .execution import Execution, HeldTransaction, bounded_transaction
-from .owner import GRACE_SECONDS, AnswerKept, Owner
+from .owner import GRACE_SECONDS, AnswerKept, Claiming, Owner
 from .pool import bounded, store_errors
 from .records import job_params
 from .rows import claim_outcome
@@ -208,22 +208,34 @@ class PostgresStore(Execution):
             "gone_owner": gone_owner,
             **stored,
         }
-        if self.citus:
-            row = self._claim_on_citus(params, pinned)
-        else:
-            statement = self._claim if pinned is None else self._claim_pinned_statement
-            _, row = self.run(statement, params, pinned)
-        assert row is not None
-        with unreadable():
-            outcome = claim_outcome(row, fingerprint, self.at_rest, tenant, key)
+        with self.claiming(tenant, key, params, pinned) as sent:
+            if self.citus:
+                row = self._claim_on_citus(params, pinned)
+            else:
+                statement = self._claim if pinned is None else self._claim_pinned_statement
+                _, row = self.run(statement, params, pinned, on_lost=sent.lose)
+            assert row is not None
+            with unreadable():
+                outcome = claim_outcome(row, fingerprint, self.at_rest, tenant, key)
+            sent.owns = outcome.owns_key
+            if outcome.owns_key and pinned is None:
+                self.renew_while_held(tenant, key, outcome, terms.lease.total_seconds())
         if pinned is None and outcome.free_owner is not None:
             # The owner's session ended: dead, or reconnecting. Asked again a moment later,
             # holding nothing: still free, it is dead.
             time.sleep(GRACE_SECONDS)
             return self.claim(tenant, key, fingerprint, terms, request, None, outcome.free_owner)
-        if outcome.owns_key and pinned is None:
-            self.renew_while_held(tenant, key, outcome, terms.lease.total_seconds())
         return outcome
+
+    def claiming(
+        self, tenant: str, key: str, params: dict[str, Any], pinned: HeldTransaction | None
+    ) -> AbstractContextManager[Claiming]:
+        """The owner's watch over a claim (or a completer's takeover) whose *params* record
+        it (:meth:`.Owner.claiming`): one whose answer is lost is handed back when the
+        database answers (SPEC §20). Not one in *pinned*'s transaction: that ends with its
+        connection, uncommitted (a claim sends no COMMIT)."""
+        owner = self._live_owner() if pinned is None and params["owner"] is not None else None
+        return nullcontext(Claiming()) if owner is None else owner.claiming(tenant, key)
 
     def _claim_on_citus(
         self, params: dict[str, Any], pinned: HeldTransaction | None

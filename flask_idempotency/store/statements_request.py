@@ -282,3 +282,43 @@ WHERE (k.tenant, k.key, k.attempt, k.generation)
     = (held.tenant, held.key, held.attempt, held.generation)
   AND k.owner_id = %(owner)s
 """
+
+# A claim of this owner whose answer was lost (SPEC §20: the statement was sent, its
+# connection died, its result is unknown; the request answered 503 or 409 and ran no view)
+# is handed back as soon as the database answers again, by the owner's renewals' thread.
+# Only a 'processing' row that names this owner and was written by its claim (owner_claim)
+# and that none of the owner's claims in flight holds (attempts, generations: the claims it
+# holds of this key, held by the owner.Owner and never sent here while one of the key is
+# being sent). Taken under the key's advisory lock, as a claim is: a claim of the key in
+# flight right now (a transactional view's, held for its whole transaction) makes it wait
+# for a later tick. A new key goes as FORGET leaves it (deleted); a takeover keeps its row,
+# its lease ended at once and its owner_claim cleared, so that the next request (or the
+# completer) acts on it by its recorded on_abandoned.
+HAND_BACK = """
+WITH lock AS (
+    SELECT pg_try_advisory_xact_lock(%(lock_id)s::bigint) AS granted
+), lost AS (
+    SELECT k.attempt = 1 AND k.recovery_point = 'started' AS fresh
+    FROM {table} AS k, lock
+    WHERE lock.granted AND k.tenant = %(tenant)s AND k.key = %(key)s
+      AND k.status = 'processing' AND k.owner_id = %(owner)s::bigint
+      AND k.owner_claim = k.generation + k.attempt
+      AND (k.attempt, k.generation) NOT IN (
+          SELECT held.attempt, held.generation
+          FROM unnest(%(attempts)s::integer[], %(generations)s::bigint[])
+              AS held (attempt, generation))
+    FOR UPDATE OF k
+), forgotten AS (
+    DELETE FROM {table} AS k USING lost
+    WHERE lost.fresh AND k.tenant = %(tenant)s AND k.key = %(key)s
+    RETURNING 1
+), ended AS (
+    UPDATE {table} AS k SET locked_until = now(), owner_claim = NULL
+    FROM lost
+    WHERE NOT lost.fresh AND k.tenant = %(tenant)s AND k.key = %(key)s
+    RETURNING 1
+)
+SELECT lock.granted, (SELECT count(*) FROM forgotten), (SELECT count(*) FROM ended),
+       CASE WHEN EXISTS (SELECT FROM lost) THEN {notify} END
+FROM lock
+"""
