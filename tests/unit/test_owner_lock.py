@@ -312,9 +312,13 @@ def test_people_see_the_owner_alive_or_gone_on_the_key_page_and_the_gauge(
             "alive",
         )
         assert state.maintenance.count_stuck(3).dead_owner == 0
-        owner.stop()
-        detail = state.operations.key_detail("", key, 3, 100)
-        assert detail is not None and detail.owner_state == "gone"
+        owner.stop()  # its session ends on the server a moment after the socket closes
+        wait_until(
+            lambda: (
+                getattr(state.operations.key_detail("", key, 3, 100), "owner_state", None) == "gone"
+            ),
+            5,
+        )
         assert state.maintenance.count_stuck(3).dead_owner == 1
     finally:
         proceed.set()
