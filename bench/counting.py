@@ -16,7 +16,7 @@ from bench.meter import LAGGING, window
 from bench.servers import unix_socket_url
 
 if TYPE_CHECKING:
-    from bench.driver import Bench
+    from bench.context import Run
 
 #: (name, label, path, which replay key or None for a new key per request)
 CASES = [
@@ -146,7 +146,7 @@ class CountingProxy:
                     pass
 
 
-def statement_calls(bench: Bench) -> list[tuple[Any, ...]]:
+def statement_calls(bench: Run) -> list[tuple[Any, ...]]:
     return bench.db.query(
         """
         SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70), calls, wal_records,
@@ -159,7 +159,7 @@ def statement_calls(bench: Bench) -> list[tuple[Any, ...]]:
     )
 
 
-def count_round_trips(bench: Bench) -> None:
+def count_round_trips(bench: Run) -> None:
     """Sequential requests to a one-worker gunicorn whose pools go through a proxy."""
     if bench.args.unix_socket:
         target = str(bench.db.socket_dir / f".s.PGSQL.{bench.db.port}")
@@ -206,7 +206,7 @@ def count_round_trips(bench: Bench) -> None:
 
 
 def count_case(
-    bench: Bench,
+    bench: Run,
     proxy: CountingProxy,
     port: int,
     poke: Callable[[], None],

@@ -19,12 +19,12 @@ from bench.servers import Gunicorn
 from bench.system import rss_kib
 
 if TYPE_CHECKING:
-    from bench.driver import Bench
+    from bench.context import Run
 
 CPU_COMPONENTS = ("gunicorn", "postgres", "redis", "loadgen", "kernel", "other", "busy")
 
 
-def rounds(bench: Bench, server: Gunicorn) -> None:
+def rounds(bench: Run, server: Gunicorn) -> None:
     """Warm-up, then ``--rounds`` rounds of every variant in a rotating order; a round
     in which other processes used too much of the CPU is repeated."""
     a = bench.args
@@ -58,7 +58,7 @@ def rounds(bench: Bench, server: Gunicorn) -> None:
     bench.results["rss_after_rounds_kib"] = {pid: rss_kib(pid) for pid in server.worker_pids}
 
 
-def one_round(bench: Bench, server: Gunicorn, name: str, r: int) -> dict[str, Any]:
+def one_round(bench: Run, server: Gunicorn, name: str, r: int) -> dict[str, Any]:
     """One measured round of variant *name*, repeated while other processes disturb it
     (at most ``--max-repeats`` times over the whole run)."""
     a = bench.args
@@ -103,7 +103,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def latency(bench: Bench, server: Gunicorn) -> None:
+def latency(bench: Run, server: Gunicorn) -> None:
     """Latency at low load: one wrk client on one connection, each request sent when the
     last one was answered, for every variant that sends new keys or replays (not the
     mix, not pgbench); ``--latency-rounds`` rounds of ``--latency-seconds`` each in a
@@ -152,7 +152,7 @@ def latency(bench: Bench, server: Gunicorn) -> None:
         )
 
 
-def rss_run(bench: Bench, server: Gunicorn) -> None:
+def rss_run(bench: Run, server: Gunicorn) -> None:
     """Per-worker RSS before and after ``--rss-requests`` new keys."""
     a = bench.args
     b = bench.results.get("summary", {}).get("b", {}).get("rps") or 500.0
@@ -211,7 +211,7 @@ def rss_run(bench: Bench, server: Gunicorn) -> None:
     )
 
 
-def executions(bench: Bench, route: str) -> collections.Counter[str]:
+def executions(bench: Run, route: str) -> collections.Counter[str]:
     """How many times the view ran for each key on *route* (bench/app.py's logs)."""
     counts: collections.Counter[str] = collections.Counter()
     for path in bench.exec_dir.glob(f"exec-{route}-*.log"):
@@ -219,7 +219,7 @@ def executions(bench: Bench, route: str) -> collections.Counter[str]:
     return counts
 
 
-def double_executions(bench: Bench) -> None:
+def double_executions(bench: Run) -> None:
     counts = executions(bench, "idempotent")
     hand = executions(bench, "handrolled")
     powertools = executions(bench, "powertools")

@@ -18,7 +18,7 @@ from bench.load import start_wrk, wrk_command
 from bench.servers import Gunicorn, check_library
 
 if TYPE_CHECKING:
-    from bench.driver import Bench
+    from bench.context import Run
 
 IDLE = "idle: waiting in accept() for the next connection"
 GUNICORN_IO = "gunicorn: read and parse the request, write the response"
@@ -202,7 +202,7 @@ def analyse_cpu_profile(raw: Path, cpu_us: float, variant: str) -> dict[str, Any
 
 
 def profile_worker(
-    bench: Bench, server: Gunicorn, variant: Variant, seconds: float
+    bench: Run, server: Gunicorn, variant: Variant, seconds: float
 ) -> dict[str, Any]:
     """py-spy on one worker (wall clock, idle included) while wrk runs the variant."""
     a = bench.args
@@ -246,7 +246,7 @@ def profile_worker(
     return analyse_profile(raw, a.profile_rate, requests, how, variant, worker)
 
 
-def inprocess(bench: Bench) -> None:
+def inprocess(bench: Run) -> None:
     """CPU per request of each route without HTTP (bench/inprocess.py), then CPU
     profiles of the new-key and replay runs."""
     n = bench.args.inprocess_requests

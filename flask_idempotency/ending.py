@@ -414,8 +414,8 @@ def _end_transaction(claim: ClaimedKey, ending: Ending, span: tracing.SpanScope)
     everything back. True if the response committed."""
     pinned, claim.pinned = claim.pinned, None
     assert pinned is not None
-    if claim.orm is not None:  # its savepoint's rollback, if any, before the key's end
-        claim.orm.close()
+    if claim.orm is not None:  # db.session given back before the key's end
+        claim.orm.close(key_commits=ending.stored is not None)
         claim.orm = None
     try:
         if ending.stored is not None:

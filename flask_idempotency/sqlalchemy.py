@@ -26,13 +26,24 @@ How the join holds (each point a trap a hand-written join falls into):
   readable after its final commit.
 - When the view returns, what it only flushed is committed into the key's transaction
   (a savepoint-mode session that is closed rolls its savepoint back).
+
+What the join sends (``python -m bench.orm --counted``): the claim with its ``BEGIN``, the
+view's statements, the finish with its ``COMMIT``; as many round trips as the view's own
+statements plus two. The savepoints cost none of their own (the key engine's dialect,
+:func:`_key_dialect_class`): a ``SAVEPOINT`` goes in the round trip of the first statement
+that runs in it (psycopg's pipeline mode; one that nothing ran in is never sent), and once
+the view has returned none is begun or released, nor rolled back to when the key rolls
+back, since the key's own end (the ``COMMIT`` with the answer, or a ``ROLLBACK``) comes
+next and decides for all of them. A savepoint the view releases (its own
+``db.session.commit()``) is released at once, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from flask import current_app, has_app_context
@@ -47,8 +58,10 @@ __all__ = ["KeyTransactions", "include_object"]
 
 logger = logging.getLogger("flask_idempotency")
 
-#: the claim's psycopg connection, for the join's engine to hand to SQLAlchemy
+#: the claim's psycopg connection, wrapped, for the join's engine to hand to SQLAlchemy
 _KEY_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar("idempotency_key_connection")
+#: where the key's SQLAlchemy ``Connection`` keeps its :class:`_KeyConnection` (its ``info``)
+_KEY_INFO = "flask_idempotency.key"
 
 #: the tables' default names (SPEC §17: the hook skips these and the configured ones)
 DEFAULT_TABLES = (
@@ -67,10 +80,24 @@ _TABLE_SETTINGS = (
 
 class _KeyConnection:
     """The claim's psycopg connection as SQLAlchemy's DBAPI connection: everything passes
-    through but what would end the key's transaction or pile up on the connection."""
+    through but what would end the key's transaction or pile up on the connection; and
+    what the key's session's savepoints need sent, and when (:func:`_key_dialect_class`)."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        #: the savepoints SQLAlchemy began that nothing ran in yet: (name, SQL), sent in
+        #: the round trip of the next statement
+        self.pending: list[tuple[str, str]] = []
+        #: the savepoints begun after the view returned: never sent (nothing needs them)
+        self.unsent: set[str] = set()
+        #: True once the view returned: the key's own end follows (the ``COMMIT`` with the
+        #: answer, or a ``ROLLBACK``) and ends every savepoint
+        self.ending = False
+        #: True once the key's transaction is known to roll back
+        self.rolls_back = False
+        #: True if something was rolled back to an unsent savepoint: only the key's
+        #: ``ROLLBACK`` can undo it
+        self.spoiled = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
@@ -86,6 +113,133 @@ class _KeyConnection:
 
     def add_notice_handler(self, handler: Any) -> None:
         """Not added: one would pile up on the pooled connection per request."""
+
+    # -- savepoints ----------------------------------------------------------------------
+
+    def begin_savepoint(self, name: str, command: str) -> None:
+        """SQLAlchemy begins savepoint *name* (*command*, its SQL): sent with the next
+        statement, or never once the view returned."""
+        if self.ending:
+            self.unsent.add(name)
+        else:
+            self.pending.append((name, command))
+
+    @contextlib.contextmanager
+    def pending_first(self) -> Iterator[None]:
+        """A block whose statement goes in one round trip with the pending ``SAVEPOINT``
+        commands (psycopg's pipeline mode: no answer is waited for until its end)."""
+        if not self.pending:
+            yield
+            return
+        pending, self.pending = self.pending, []
+        with self._conn.pipeline():
+            for _, command in pending:
+                self._conn.execute(command, prepare=False)
+            yield
+
+    def release_needs_sql(self, name: str) -> bool:
+        """True if releasing savepoint *name* must be sent: it was sent, and the view
+        is still running (afterwards the key's own end ends it)."""
+        return not self._forget(name) and not self.ending
+
+    def rollback_needs_sql(self, name: str) -> bool:
+        """True if rolling back to savepoint *name* must be sent: it was sent, and the
+        key's transaction may still commit."""
+        if name in self.unsent:
+            self.spoiled = True
+        return not self._forget(name) and not self.rolls_back
+
+    def _forget(self, name: str) -> bool:
+        """True if savepoint *name* was never sent (nothing ran in it, or it was begun
+        after the view): it is forgotten, with those begun after it. Ending one that was
+        sent ends those begun after it too."""
+        if name in self.unsent:
+            self.unsent.discard(name)
+            return True
+        names = [pending for pending, _ in self.pending]
+        if name in names:
+            del self.pending[names.index(name) :]
+            return True
+        self.pending.clear()
+        return False
+
+
+def _key_of(connection: Any) -> _KeyConnection | None:
+    """The key's DBAPI connection under an SQLAlchemy ``Connection`` of the key's engine
+    (None while :meth:`KeyTransactions.join` makes it: the dialect's first queries)."""
+    try:
+        key = connection.info.get(_KEY_INFO)
+    except NotImplementedError:  # the ad hoc connection of the engine's first connect
+        return None
+    return key if isinstance(key, _KeyConnection) else None
+
+
+def _pending_first(context: Any) -> contextlib.AbstractContextManager[None]:
+    """The block of a statement of the key's session: its pending savepoints first."""
+    key = _key_of(context.root_connection) if context is not None else None
+    if key is None or not key.pending:
+        return contextlib.nullcontext()
+    return key.pending_first()
+
+
+_DIALECT_CLASSES: dict[type, type] = {}
+
+
+def _key_dialect_class(base: type) -> type:
+    """*base* (the app's psycopg dialect), whose savepoints on the key's connection cost
+    no round trip of their own: a ``SAVEPOINT`` waits for the first statement that runs in
+    it and goes in its round trip (one nothing ran in is never sent, nor released, nor
+    rolled back to). Once the view returned, the key's ``COMMIT`` or ``ROLLBACK`` comes
+    next and decides for everything: no savepoint is begun (the final flush's: a failure
+    there rolls the key back), none released, none rolled back to when the key rolls back.
+    A savepoint released in the view is released at once: savepoints left open would nest,
+    and past 64 a transaction's subtransactions slow every snapshot."""
+    made = _DIALECT_CLASSES.get(base)
+    if made is None:
+        from sqlalchemy.sql.expression import SavepointClause
+
+        class KeyDialect(base):  # type: ignore[misc]
+            supports_statement_cache = True  # SQLAlchemy asks each subclass to say so
+
+            def do_savepoint(self, connection: Any, name: str) -> None:
+                key = _key_of(connection)
+                if key is None:
+                    super().do_savepoint(connection, name)
+                else:
+                    clause = SavepointClause(name)  # type: ignore[no-untyped-call]
+                    command = str(clause.compile(dialect=self))
+                    key.begin_savepoint(name, command)
+
+            def do_release_savepoint(self, connection: Any, name: str) -> None:
+                key = _key_of(connection)
+                if key is None or key.release_needs_sql(name):
+                    super().do_release_savepoint(connection, name)
+
+            def do_rollback_to_savepoint(self, connection: Any, name: str) -> None:
+                key = _key_of(connection)
+                if key is None or key.rollback_needs_sql(name):
+                    super().do_rollback_to_savepoint(connection, name)
+
+            def do_execute(
+                self, cursor: Any, statement: Any, parameters: Any, context: Any = None
+            ) -> None:
+                with _pending_first(context):
+                    super().do_execute(cursor, statement, parameters, context)
+
+            def do_executemany(
+                self, cursor: Any, statement: Any, parameters: Any, context: Any = None
+            ) -> None:
+                with _pending_first(context):
+                    super().do_executemany(cursor, statement, parameters, context)
+
+            def do_execute_no_params(
+                self, cursor: Any, statement: Any, context: Any = None
+            ) -> None:
+                with _pending_first(context):
+                    super().do_execute_no_params(cursor, statement, context)
+
+        made = _DIALECT_CLASSES[base] = KeyDialect
+    return made
 
 
 class JoinedSession:
@@ -103,20 +257,33 @@ class JoinedSession:
         self.session = session
         #: the app's session of this scope before the view, given back at the end
         self._previous = previous
+        self._key = _key_of(connection)
 
     def commit(self) -> None:
-        """Flush and commit the view's work into the key's transaction (releasing the
-        savepoint); the key's ``COMMIT`` comes with the stored answer.
+        """Flush and commit the view's work into the key's transaction, once the view has
+        returned; the key's ``COMMIT`` comes with the stored answer (and ends the
+        savepoint, which is not released on its own).
 
         :raises Exception: the flush failed (a constraint, a type): the caller rolls the
             key's transaction back.
         """
+        key = self._key
+        if key is not None:
+            key.ending = True
         self.session.commit()
+        if key is not None and key.spoiled:
+            raise RuntimeError(
+                "the key's session rolled back to a savepoint after the view returned:"
+                " only the key's transaction's rollback can undo what ran in it"
+            )
 
-    def close(self) -> None:
-        """End the key's session (rolling back to its savepoint what was not committed)
-        and give ``db.session`` back to the app. Never raises: the key's transaction ends
-        anyway, on its own connection."""
+    def close(self, key_commits: bool = True) -> None:
+        """End the key's session (rolling back to its savepoint what was not committed,
+        unless the key's transaction rolls back anyway: *key_commits* False) and give
+        ``db.session`` back to the app. Never raises: the key's transaction ends anyway,
+        on its own connection."""
+        if self._key is not None and not key_commits:
+            self._key.rolls_back = True
         try:
             self.session.close()
             self.bound.close()
@@ -178,19 +345,23 @@ class KeyTransactions:
             from sqlalchemy import create_engine
             from sqlalchemy.pool import NullPool
 
-            self._engine = create_engine(
+            engine = create_engine(
                 self._url,
-                creator=lambda: _KeyConnection(_KEY_CONNECTION.get()),
+                creator=lambda: _KEY_CONNECTION.get(),
                 poolclass=NullPool,
                 use_native_hstore=False,
             )
+            engine.dialect.__class__ = _key_dialect_class(type(engine.dialect))
+            self._engine = engine
         return self._engine
 
     def join(self, conn: Any) -> JoinedSession:
         """Make ``db.session`` a session of the key's transaction on *conn* (the claim's
         psycopg connection, in its open transaction) until the view ends."""
-        _KEY_CONNECTION.set(conn)
+        key = _KeyConnection(conn)
+        _KEY_CONNECTION.set(key)
         connection = self._key_engine().connect()
+        connection.info[_KEY_INFO] = key
         connection.begin()  # no SQL: the key's transaction is open already
         default = self._default_engine()
         factory = self._scoped.session_factory

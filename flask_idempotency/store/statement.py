@@ -67,6 +67,10 @@ class _Runner:
         self.transformer = Transformer(conn)
         #: (statement, parameter types) -> the name it is prepared under
         self.prepared: dict[tuple[bytes, Any], bytes] = {}
+        #: (statement, parameter types) that ran unprepared inside a transaction: prepared
+        #: the next time the connection is idle (a transactional view's finish, which
+        #: never runs outside its transaction, would otherwise be planned every time)
+        self.wanted: set[tuple[bytes, Any]] = set()
 
 
 class Rows(NamedTuple):
@@ -155,7 +159,11 @@ def _result(
     idle = conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
     frame = _Frame(begin=idle and not conn.autocommit, commit=commit and not conn.autocommit)
     prepared = prepare is not False and conn.prepare_threshold is not None
+    if prepared and idle and runner.wanted:
+        _prepare_wanted(conn, runner)
     name = _prepared_name(conn, runner, statement._text, idle) if prepared else None
+    if prepared and name is None:
+        runner.wanted.add((statement._text, tx.types))
     result = _send(conn, runner, statement._text, name, values, frame)
     if name is not None and idle and _name_lost(result):
         # Gone from the server (DISCARD ALL, or a pooler's other server connection):
@@ -182,6 +190,16 @@ def _prepared_name(
     if name is None and idle:
         name = runner.prepared[text, types] = _prepare(conn, text, types)
     return name
+
+
+def _prepare_wanted(conn: psycopg.Connection[Any], runner: _Runner) -> None:
+    """Prepare what ran unprepared in a transaction on *conn*, now that it is idle (one
+    round trip each, once per connection). A failure is the caller's, as a failure to
+    prepare its own statement would be (a transaction pooler: the store goes unprepared)."""
+    while runner.wanted:
+        text, types = runner.wanted.pop()
+        if (text, types) not in runner.prepared:
+            runner.prepared[text, types] = _prepare(conn, text, types)
 
 
 class _Frame(NamedTuple):

@@ -3,8 +3,12 @@ with its idempotent routes (tests/e2e/test_sqlalchemy.py; served by gunicorn as
 ``tests.apps.orm_app:create_app()`` with ``ORM_DATABASE_URL`` and ``FLASK_IDEMPOTENCY_*``).
 
 ``POST /orders`` is ``transactional=True`` and writes an ``Order`` through ``db.session``:
-``X-Commit: 1`` calls ``db.session.commit()`` first, ``X-Raise: 1`` raises after its
-writes, ``X-Gate`` holds it at a gate row (on its own connection), ``X-Delay`` sleeps.
+``X-Commit: 1`` calls ``db.session.commit()`` first, ``X-Duplicate: 1`` then flushes an
+order with the same id (SQL), catches the ``IntegrityError`` and calls ``db.session.rollback()``,
+``X-Nested: 1`` flushes a second order in ``db.session.begin_nested()`` and rolls that
+back, ``X-Null: 1`` adds an order without an amount (its flush fails when the view returns),
+``X-Raise: 1`` raises after its writes, ``X-Gate`` holds it at a gate row (on its own
+connection), ``X-Delay`` sleeps.
 ``POST /plain-orders`` is not idempotent: ``db.session`` as without the extension.
 """
 
@@ -17,6 +21,8 @@ from typing import Any
 import psycopg
 from flask import Blueprint, Flask, current_app, request
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, current_idempotency
@@ -53,6 +59,19 @@ def create_order() -> tuple[dict[str, Any], int]:
     current_idempotency.stage("order_created", {"id": order.id})
     if request.headers.get("X-Commit"):
         db.session.commit()  # into the key's transaction, not the database
+    if request.headers.get("X-Duplicate"):
+        duplicate = "INSERT INTO orm_orders (id, key, amount) VALUES (:id, :key, -1)"
+        try:
+            db.session.execute(text(duplicate), {"id": order.id, "key": order.key})
+        except IntegrityError:
+            db.session.rollback()  # back to the savepoint: the key's transaction goes on
+    if request.headers.get("X-Nested"):
+        nested = db.session.begin_nested()
+        db.session.add(Order(id=str(uuid.uuid4()), key=order.key, amount=-2))
+        db.session.flush()
+        nested.rollback()  # that order only: the first one stays
+    if request.headers.get("X-Null"):
+        db.session.add(Order(id=str(uuid.uuid4()), key=order.key, amount=None))
     gate = request.headers.get("X-Gate")
     if gate:
         url = current_app.config["SQLALCHEMY_DATABASE_URI"].replace("+psycopg", "")

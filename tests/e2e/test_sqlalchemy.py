@@ -14,9 +14,11 @@ import pytest
 from flask import Flask
 
 from flask_idempotency import ConfigError, Idempotency
+from flask_idempotency.testing.proxy import TcpProxy
 from tests.support.gunicorn_server import GunicornServer, Response, race, tcp_connections
 from tests.support.gunicorn_server import post as http_post
 from tests.support.helpers import CLAIM_LOCKS, DB, count, wait_until
+from tests.support.pgbouncer import PgBouncer
 
 ORM_TABLES = {
     "IDEMPOTENCY_TABLE": "orm_keys",
@@ -69,6 +71,118 @@ def test_flushed_and_committed_writes_commit_with_the_answer(orm_app: Flask, db:
         assert replay.headers["Idempotent-Replayed"] == "true"
         assert replay.get_json() == first.get_json()
         assert orders_of(db, key) == 1
+
+
+def test_a_failed_flush_rolled_back_in_the_view_keeps_the_committed_order(
+    orm_app: Flask, db: DB
+) -> None:
+    """``db.session.rollback()`` after a failed flush goes back to the savepoint the
+    session's statement began (sent in that statement's round trip): the order the view
+    committed before stays, the key's transaction goes on and stores the answer."""
+    key = f"orm-{uuid.uuid4()}"
+    first = post(orm_app, "/orders", key, X_Commit="1", X_Duplicate="1")
+    assert first.status_code == 201, first.get_data(as_text=True)
+    assert count(db, "SELECT count(*) FROM orm_orders WHERE key = %s AND amount = 100", key) == 1
+    assert orders_of(db, key) == 1
+    replay = post(orm_app, "/orders", key, X_Commit="1", X_Duplicate="1")
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json() == first.get_json()
+
+
+def test_a_nested_transaction_rolled_back_in_the_view_undoes_only_its_own_order(
+    orm_app: Flask, db: DB
+) -> None:
+    """Savepoints within savepoints: the session's own (sent with the first order's
+    INSERT) and ``begin_nested()``'s (sent with the second's), rolled back to alone."""
+    for commit in ("", "1"):
+        key = f"orm-{uuid.uuid4()}"
+        first = post(orm_app, "/orders", key, X_Commit=commit, X_Nested="1")
+        assert first.status_code == 201, first.get_data(as_text=True)
+        kept = "SELECT count(*) FROM orm_orders WHERE key = %s AND amount = 100"
+        assert count(db, kept, key) == 1 and orders_of(db, key) == 1
+        assert post(orm_app, "/orders", key, X_Nested="1").get_json() == first.get_json()
+
+
+def test_a_flush_that_fails_when_the_view_returns_leaves_nothing(orm_app: Flask, db: DB) -> None:
+    """The final flush (no savepoint of its own: the key's transaction is its only undo)
+    fails on a constraint: a 500, nothing committed, and the retry runs at once."""
+    for commit in ("", "1"):
+        key = f"orm-{uuid.uuid4()}"
+        failed = post(orm_app, "/orders", key, X_Commit=commit, X_Null="1")
+        assert failed.status_code == 500
+        assert orders_of(db, key) == 0
+        assert count(db, "SELECT count(*) FROM orm_keys WHERE key = %s", key) == 0
+        assert count(db, "SELECT count(*) FROM orm_jobs WHERE key = %s", key) == 0
+        again = post(orm_app, "/orders", key, X_Commit=commit)
+        assert again.status_code == 201 and orders_of(db, key) == 1
+
+
+def test_a_transactional_order_takes_three_round_trips(
+    database_url: str, db: DB, proxy: TcpProxy
+) -> None:
+    """The claim with its ``BEGIN``, the view's ``INSERT`` with the session's
+    ``SAVEPOINT``, the finish with its ``COMMIT`` (was five: the ``SAVEPOINT`` and its
+    ``RELEASE`` each took one); a view that commits itself first adds its ``RELEASE``."""
+    from sqlalchemy.engine import make_url
+
+    from tests.apps import orm_app as module
+
+    proxied = make_url(database_url).set(host="127.0.0.1", port=proxy.port)
+    url = proxied.render_as_string(hide_password=False)
+    app = module.create_app(
+        SQLALCHEMY_DATABASE_URI=psycopg_url(url),
+        IDEMPOTENCY_DATABASE_URL=url,
+        IDEMPOTENCY_POOL_MAX_SIZE=1,
+        **ORM_TABLES,
+    )
+    run = uuid.uuid4().hex
+    try:
+        for commit, expected in (("", 3), ("1", 4)):
+            for i in range(8):  # past psycopg's preparing of the view's statements
+                assert (
+                    post(app, "/orders", f"{run}-{commit}-w{i}", X_Commit=commit).status_code == 201
+                )
+            before = proxy.round_trips
+            for i in range(10):
+                assert (
+                    post(app, "/orders", f"{run}-{commit}-{i}", X_Commit=commit).status_code == 201
+                )
+            assert (proxy.round_trips - before) / 10 == expected, commit
+    finally:
+        app.extensions["idempotency"].store.close()
+        with app.app_context():
+            module.db.engine.dispose()
+
+
+def test_through_pgbouncer_in_transaction_mode_the_savepoints_hold(
+    database_url: str, db: DB, pgbouncer: PgBouncer
+) -> None:
+    """PgBouncer in transaction mode, no prepared statements: the session's ``SAVEPOINT``
+    pipelined with its statement, a rollback to it, and the key's ``COMMIT`` all reach the
+    one server connection of the key's transaction."""
+    from tests.apps import orm_app as module
+
+    app = module.create_app(
+        SQLALCHEMY_DATABASE_URI=psycopg_url(database_url),
+        IDEMPOTENCY_DATABASE_URL=pgbouncer.url,
+        IDEMPOTENCY_PREPARED_STATEMENTS=False,
+        IDEMPOTENCY_LISTEN_DATABASE_URL=database_url,
+        **ORM_TABLES,
+    )
+    try:
+        for i, headers in enumerate(({}, {"X_Commit": "1"}, {"X_Commit": "1", "X_Duplicate": "1"})):
+            for round_ in range(6):  # past psycopg's preparing threshold, were it on
+                key = f"orm-bounced-{uuid.uuid4()}-{i}-{round_}"
+                first = post(app, "/orders", key, **headers)
+                assert first.status_code == 201, first.get_data(as_text=True)
+                assert orders_of(db, key) == 1
+                assert post(app, "/orders", key, **headers).get_json() == first.get_json()
+        failed = post(app, "/orders", key := f"orm-bounced-{uuid.uuid4()}", X_Null="1")
+        assert failed.status_code == 500 and orders_of(db, key) == 0
+    finally:
+        app.extensions["idempotency"].store.close()
+        with app.app_context():
+            module.db.engine.dispose()
 
 
 def test_a_view_that_commits_then_raises_leaves_nothing(orm_app: Flask, db: DB) -> None:

@@ -99,3 +99,21 @@ def test_a_commit_that_fails_after_its_finish_stores_nothing(client: FlaskClient
     retried = post(client, "/ledger", key)
     assert retried.status_code == 201 and "Idempotent-Replayed" not in retried.headers
     assert ledger_rows(db, key) == 1 and status(db, key) == "completed"
+
+
+def test_a_transactional_views_finish_is_prepared_once_its_connection_is_idle(
+    app: Flask, client: FlaskClient
+) -> None:
+    """The finish of a transactional view runs only inside its transaction, where a
+    statement is sent unprepared (a failed PARSE would abort the key's transaction): it
+    is prepared the next time its connection is idle, and planned no more after that."""
+    run = uuid.uuid4().hex
+    for i in range(3):
+        assert post(client, "/ledger", f"{run}-{i}").status_code == 201
+    with app.extensions["idempotency"].store.pool.connection() as conn:  # the pool's one
+        prepared = [
+            text
+            for (text,) in conn.execute("SELECT statement FROM pg_prepared_statements")
+            if text.lstrip().startswith("UPDATE") and "response_body" in text
+        ]
+    assert prepared, "the finish is not prepared"
