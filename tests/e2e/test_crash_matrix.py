@@ -37,6 +37,9 @@ def server(database_url: str) -> Iterator[int]:
         "EXAMPLE_FAULTS": "1",
         "EXAMPLE_PROVIDER_LATENCY": "0",
         "FLASK_IDEMPOTENCY_LEASE": str(LEASE),
+        # no completer or dispatcher loop beside the workers: the retries are the tests',
+        # and a loop's rerun in flight at a test's end would hold a claim's lock
+        "EXAMPLE_BACKGROUND": "0",
     }
     command = [
         sys.executable,
