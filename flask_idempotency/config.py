@@ -66,15 +66,19 @@ def _str(value: Any, key: str) -> str:
     return value
 
 
-def _table_or_none(value: Any, key: str) -> str | None:
-    """A table's name (``name`` or ``schema.name``), or None (unset)."""
-    if value is None or value == "":
-        return None
+def _table(value: Any, key: str) -> str:
+    """A table's name: ``name`` or ``schema.name`` (no NUL byte: PostgreSQL's names hold
+    none)."""
     name = _str(value, key)
     parts = name.split(".")
-    if not 1 <= len(parts) <= 2 or "" in parts:
+    if not 1 <= len(parts) <= 2 or "" in parts or "\x00" in name:
         raise ConfigError(f"{key} must be 'name' or 'schema.name', got {value!r}.")
     return name
+
+
+def _table_or_none(value: Any, key: str) -> str | None:
+    """A table's name (:func:`_table`), or None (unset)."""
+    return None if value is None or value == "" else _table(value, key)
 
 
 #: a URL's scheme (``mysql://`` ...): libpq knows ``postgresql://`` and ``postgres://``
@@ -377,13 +381,13 @@ class Settings:
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
     #: the keys' table, may be schema-qualified
-    table: str = option("idempotency_keys", _str)
+    table: str = option("idempotency_keys", _table)
     #: where staged jobs wait for a dispatcher (docs: "Staged jobs")
-    jobs_table: str = option("idempotency_jobs", _str)
+    jobs_table: str = option("idempotency_jobs", _table)
     #: every hand-made change, one row each; never cleaned
-    audit_table: str = option("idempotency_audit", _str)
+    audit_table: str = option("idempotency_audit", _table)
     #: the background commands' last batch, one row per command and host
-    heartbeats_table: str = option("idempotency_heartbeats", _str)
+    heartbeats_table: str = option("idempotency_heartbeats", _table)
     #: create the tables and indexes if missing (or upgrade an earlier release's
     #: online), once per process
     create_table: bool = option(True, _bool)
@@ -488,8 +492,3 @@ def _check_together(settings: Settings, pool_given: bool) -> None:
             f" {config_key('synchronous_claim')} or {config_key('synchronous_finish')} is"
             " False: those commits would not wait for the standby. Set both True."
         )
-    for name in ("table", "jobs_table", "audit_table", "heartbeats_table"):
-        value = getattr(settings, name)
-        parts = value.split(".")
-        if not 1 <= len(parts) <= 2 or "" in parts:
-            raise ConfigError(f"{config_key(name)} must be 'name' or 'schema.name', got {value!r}.")

@@ -63,6 +63,19 @@ def test_impossible_durations_are_config_errors(
         Idempotency(fresh_app(**{name: value}))
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["IDEMPOTENCY_TABLE", "IDEMPOTENCY_JOBS_TABLE", "IDEMPOTENCY_COLOCATE_WITH"],
+)
+@pytest.mark.parametrize("value", ["a.b.c", ".keys", "keys\x00evil", "public.", 7])
+def test_impossible_table_names_are_config_errors(
+    fresh_app: Callable[..., Flask], name: str, value: Any
+) -> None:
+    with pytest.raises(ConfigError, match=name) as raised:
+        Idempotency(fresh_app(**{name: value}))
+    assert "\n" not in str(raised.value)
+
+
 def test_impossible_route_option_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="IDEMPOTENCY_LEASE"):
         Idempotency().idempotent(lease=float("nan"))
