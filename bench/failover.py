@@ -43,7 +43,6 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ import psycopg
 from flask import Flask
 
 from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency.testing.gunicorn_server import wait_until
 from flask_idempotency.testing.patroni import PatroniCluster, PatroniNode
 from flask_idempotency.testing.postgres import PostgresServer, free_port
 
@@ -187,17 +187,6 @@ class Load:
             return {k: a for k, a in self.acknowledged.items() if a.received < moment}
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = condition()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout} s")
-        time.sleep(0.05)
-
-
 def flowing(load: Load, count: int = 20, timeout: float = 60) -> None:
     """Until *count* fresh 2xx answers came after now: the app serves again."""
     now = time.monotonic()
@@ -206,7 +195,7 @@ def flowing(load: Load, count: int = 20, timeout: float = 60) -> None:
         fresh = [a for a in load.since(now) if a.status == 201 and not a.replayed]
         return len(fresh) >= count
 
-    wait_for(served, timeout, f"{count} fresh 2xx answers")
+    wait_until(served, timeout, f"{count} fresh 2xx answers")
 
 
 @dataclass
@@ -230,7 +219,7 @@ def lose_the_leader(cluster: PatroniCluster, load: Load) -> tuple[Failover, Patr
     gone = time.monotonic()  # a request sent before may still have been served by it
     cluster.wait_leader(90, other_than=leader)
     promoted = time.monotonic()
-    first = wait_for(lambda: load.first_2xx(gone), 90, "2xx after the kill")
+    first = wait_until(lambda: load.first_2xx(gone), 90, "2xx after the kill")
     between = Counter(
         str(a.status or "error") + (f" {a.problem}" if a.problem else "")
         for a in load.received_between(killed, first)
@@ -312,7 +301,7 @@ def lost_keys(store_url: str, keys: list[str]) -> list[str]:
             return None
         return {str(key) for (key,) in rows}
 
-    done: set[str] = wait_for(lambda: completed(), 60, "a writable leader")
+    done: set[str] = wait_until(lambda: completed(), 60, "a writable leader")
     return [key for key in keys if key not in done]
 
 
@@ -373,7 +362,7 @@ def lagging_failover(
             except ProcessLookupError:
                 pass
     cluster.wait_leader(90, other_than=leader)
-    wait_for(lambda: load.first_2xx(gone), 90, "2xx after the kill")
+    wait_until(lambda: load.first_2xx(gone), 90, "2xx after the kill")
     acked = load.acked_before(killed)
     missing = lost_keys(cluster.url, sorted(acked))
     before = run_counts(runs_url, missing)
@@ -475,7 +464,7 @@ def serve(cluster: PatroniCluster, runs: PostgresServer, lease: float) -> tuple[
         "bench.failover:create_app()",
     ]
     gunicorn = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
-    wait_for(lambda: send(port, f"warm-{uuid.uuid4()}").status == 201, 60, "gunicorn")
+    wait_until(lambda: send(port, f"warm-{uuid.uuid4()}").status == 201, 60, "gunicorn")
     return gunicorn, port
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from .gunicorn_server import wait_until
 from .postgres import (
     PostgresServer,
     PostgresServerError,
@@ -554,20 +555,14 @@ class PatroniCluster(Service):
         self._wait(ready, 30, "etcd")
 
     def _wait(self, condition: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                logs = "\n".join(
-                    f"--- {node.name} ({node.log_path}) ---\n{node.log_tail()}"
-                    for node in self.nodes
-                )
-                raise PatroniError(
-                    f"timed out after {timeout} s waiting for {what}\n{self.describe()}\n{logs}"
-                )
-            time.sleep(0.1)
+        """:func:`~.gunicorn_server.wait_until`, failing with the cluster's state and logs."""
+        try:
+            return wait_until(condition, timeout, what, step=0.1)
+        except TimeoutError as exc:
+            logs = "\n".join(
+                f"--- {node.name} ({node.log_path}) ---\n{node.log_tail()}" for node in self.nodes
+            )
+            raise PatroniError(f"{exc}\n{self.describe()}\n{logs}") from None
 
 
 def _wait_writable(url: str, timeout: float) -> float:
