@@ -156,7 +156,10 @@ SET status = %(status)s,
     request = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request END,
     request_body = CASE WHEN %(status)s::text = 'completed' THEN NULL ELSE request_body END,
     reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END,
-    owner_id = NULL, owner_claim = NULL, owner_host = NULL, owner_pid = NULL
+    owner_id = CASE WHEN %(status)s::text = 'completed' THEN owner_id END,
+    owner_claim = CASE WHEN %(status)s::text = 'completed' THEN owner_claim END,
+    owner_host = CASE WHEN %(status)s::text = 'completed' THEN owner_host END,
+    owner_pid = CASE WHEN %(status)s::text = 'completed' THEN owner_pid END
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s

@@ -64,6 +64,25 @@ def test_first_request_runs_the_view_once_and_retries_replay_byte_for_byte(
     assert executions(db, key) == 1
 
 
+@pytest.mark.parametrize(("path", "stored_length"), [("/payments", True), ("/status/201", False)])
+def test_replayed_headers_come_in_the_first_answers_order_whether_content_length_is_stored(
+    app: Flask, key: str, db: DB, path: str, stored_length: bool
+) -> None:
+    """A Content-Length that ends the headers and matches the body is not stored (the replay
+    sets it again, last); one in the middle (headers a view added after its body) is."""
+    client = app.test_client()
+    first = post(client, path, key)
+    replay = post(client, path, key)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    replayed = [(n, v) for n, v in replay.headers.items() if n != "Idempotent-Replayed"]
+    assert replayed == [(n, v) for n, v in first.headers.items() if n != "Set-Cookie"]
+    assert replay.data == first.data
+    (stored,) = db.execute(
+        "SELECT response_headers FROM idempotency_keys WHERE key = %s", [key]
+    ).fetchone()
+    assert any(name == "Content-Length" for name, _ in stored) is stored_length
+
+
 def test_sf_string_and_bare_forms_are_the_same_key(app: Flask, key: str, db: DB) -> None:
     client = app.test_client()
     first = post(client, "/payments", key)

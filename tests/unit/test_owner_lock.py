@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from flask import Flask
 
+from flask_idempotency.model import KeyStatus
 from flask_idempotency.state import get_state
 from flask_idempotency.store.owner import GRACE_SECONDS, Owner
 from flask_idempotency.testing.proxy import TcpProxy
@@ -36,7 +37,7 @@ def owner_row(db: DB, key: str) -> tuple[object, ...]:
     return tuple(row)
 
 
-def test_a_claim_records_its_owner_and_its_finish_clears_it(
+def test_a_claim_records_its_owner_and_its_answer_keeps_it_inert(
     make_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
     app = make_app()
@@ -71,7 +72,23 @@ def test_a_claim_records_its_owner_and_its_finish_clears_it(
         proceed.set()
         thread.join(20)
     assert results["first"].status_code == 201
-    assert owner_row(db, key)[:5] == ("completed", 1, None, None, None)
+    # a completed key keeps the columns (its finish rewrites fewer bytes: docs/performance.md,
+    # issue 42), where nothing reads them: an owner speaks only for a 'processing' row
+    assert owner_row(db, key)[:5] == ("completed", 1, owner.id, owner.host, owner.pid)
+    detail = get_state(app).operations.key_detail("", key, 3, 100)
+    assert detail is not None and detail.owner_state is None  # people see no owner
+
+
+@pytest.mark.parametrize("status", ["retryable", "unknown"])
+def test_a_finish_that_leaves_the_key_open_clears_its_owner(
+    make_app: Callable[..., Flask], db: DB, key: str, status: str
+) -> None:
+    state = make_app().extensions["idempotency"]
+    store, terms = state.store, state.settings.route
+    outcome = store.claim("", key, b"\x01" * 32, terms)
+    assert owner_row(db, key)[2] is not None
+    store.finish("", key, outcome, KeyStatus(status), ttl=terms.ttl)
+    assert owner_row(db, key)[:5] == (status, 1, None, None, None)
 
 
 def test_a_dead_owners_claim_is_taken_over_at_once_and_its_late_finish_is_fenced(
