@@ -1,19 +1,20 @@
 """Round trips, statements, commits, transaction ids and WAL per request, counted with
-sequential requests to a one-worker gunicorn whose pools connect through a proxy."""
+sequential requests to a one-worker gunicorn whose pools connect through a proxy (the test
+suite's :class:`~flask_idempotency.testing.proxy.TcpProxy`, which counts round trips: each
+time a client sends after its server last spoke, so a statement's Parse/Bind/Execute/Sync
+sent together are one)."""
 
 from __future__ import annotations
 
 import collections
-import socket
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import DATABASE, BenchError, get_json, percentile, post
 from bench.meter import LAGGING, window
 from bench.servers import unix_socket_url
+from flask_idempotency.testing.proxy import TcpProxy
 
 if TYPE_CHECKING:
     from bench.context import Run
@@ -49,103 +50,6 @@ PER_REQUEST = (
 )
 
 
-class CountingProxy:
-    """A proxy in front of PostgreSQL that counts round trips.
-
-    A round trip is counted each time the client sends after the server last sent (or
-    for the first time): messages the client sends without waiting for an answer, such
-    as Parse/Bind/Execute/Sync of one statement, are one round trip.
-
-    Over TCP it listens on a free 127.0.0.1 port and connects to *target_port* on
-    127.0.0.1; given *unix_dir* (``--unix-socket``), it listens on the Unix-domain socket
-    ``<unix_dir>/.s.PGSQL.5432`` and connects to the server's socket *target_socket*, so
-    the counted requests use the same transport as the measured ones.
-    """
-
-    def __init__(
-        self, target_port: int, unix_dir: Path | None = None, target_socket: str = ""
-    ) -> None:
-        self.target_port = target_port
-        self.unix_dir = unix_dir
-        self.target_socket = target_socket
-        if unix_dir is None:
-            self.listener = socket.create_server(("127.0.0.1", 0))
-            self.port: int = self.listener.getsockname()[1]
-            self.url = f"postgresql://postgres@127.0.0.1:{self.port}/{DATABASE}"
-        else:
-            self.port = PROXY_SOCKET_PORT
-            self.url = unix_socket_url(unix_dir, self.port)  # checks the path's length
-            unix_dir.mkdir(parents=True, exist_ok=True)
-            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(str(unix_dir / f".s.PGSQL.{self.port}"))
-            self.listener.listen(64)
-        self.lock = threading.Lock()
-        self.round_trips = 0
-        self.connections = 0
-        self._sockets: list[socket.socket] = []
-
-    def start(self) -> None:
-        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
-
-    def snapshot(self) -> tuple[int, int]:
-        with self.lock:
-            return self.round_trips, self.connections
-
-    def close(self) -> None:
-        self.listener.close()
-        if self.unix_dir is not None:
-            (self.unix_dir / f".s.PGSQL.{self.port}").unlink(missing_ok=True)
-        for sock in self._sockets:
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.unix_dir is None:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-                for sock in (client, upstream):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            else:
-                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                upstream.connect(self.target_socket)
-            self._sockets.extend((client, upstream))
-            with self.lock:
-                self.connections += 1
-            state = {"last": ""}
-            for src, dst, direction in ((client, upstream, "up"), (upstream, client, "down")):
-                threading.Thread(
-                    target=self._pump, args=(src, dst, direction, state), daemon=True
-                ).start()
-
-    def _pump(
-        self, src: socket.socket, dst: socket.socket, direction: str, state: dict[str, str]
-    ) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                with self.lock:  # counted before forwarding, so before the answer can come
-                    if direction == "up" and state["last"] != "up":
-                        self.round_trips += 1
-                    state["last"] = direction
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 def statement_calls(bench: Run) -> list[tuple[Any, ...]]:
     return bench.db.query(
         """
@@ -159,15 +63,26 @@ def statement_calls(bench: Run) -> list[tuple[Any, ...]]:
     )
 
 
+def counting_proxy(bench: Run) -> tuple[TcpProxy, str]:
+    """The proxy in front of the server and the URL of the bench database through it: on a
+    free 127.0.0.1 port to the server's, or with ``--unix-socket`` from the Unix-domain
+    socket ``<workdir>/proxy/.s.PGSQL.5432`` to the server's socket, so that the counted
+    requests use the same transport as the measured ones."""
+    if not bench.args.unix_socket:
+        proxy = TcpProxy("127.0.0.1", bench.db.port)
+        return proxy, f"postgresql://postgres@127.0.0.1:{proxy.port}/{DATABASE}"
+    directory = bench.workdir / "proxy"
+    url = unix_socket_url(directory, PROXY_SOCKET_PORT)  # checks the path's length
+    directory.mkdir(parents=True, exist_ok=True)
+    listen_path = directory / f".s.PGSQL.{PROXY_SOCKET_PORT}"
+    return TcpProxy(str(bench.db.socket_dir), bench.db.port, listen_path=listen_path), url
+
+
 def count_round_trips(bench: Run) -> None:
     """Sequential requests to a one-worker gunicorn whose pools go through a proxy."""
-    if bench.args.unix_socket:
-        target = str(bench.db.socket_dir / f".s.PGSQL.{bench.db.port}")
-        proxy = CountingProxy(bench.db.port, bench.workdir / "proxy", target)
-    else:
-        proxy = CountingProxy(bench.db.port)
+    proxy, url = counting_proxy(bench)
     proxy.start()
-    server = bench.start_gunicorn("count", 1, proxy.url)
+    server = bench.start_gunicorn("count", 1, url)
     try:
         prefix = f"count{bench.run_id}"
         replay_key = {path: f"{prefix}-replay{path[1:]}" for path in REPLAYED_ROUTES}
@@ -202,12 +117,12 @@ def count_round_trips(bench: Run) -> None:
     finally:
         bench.db.autovacuum(True)
         bench.stop_gunicorn(server)
-        proxy.close()
+        proxy.stop()
 
 
 def count_case(
     bench: Run,
-    proxy: CountingProxy,
+    proxy: TcpProxy,
     port: int,
     poke: Callable[[], None],
     poke_cost: dict[str, float],
@@ -220,7 +135,7 @@ def count_case(
     n = bench.args.count_requests
     before = bench.meter.settled(poke)
     bench.db.query("SELECT pg_stat_statements_reset()")
-    trips0, conns0 = proxy.snapshot()
+    trips0, conns0 = proxy.round_trips, proxy.connections
     statuses: collections.Counter[str] = collections.Counter()
     latencies = []
     for i in range(n):
@@ -228,7 +143,7 @@ def count_case(
         status, replayed = post(port, path, key.format(i))
         latencies.append((time.perf_counter() - t) * 1000)
         statuses[f"{status}{' replayed' if replayed else ''}"] += 1
-    trips1, conns1 = proxy.snapshot()
+    trips1, conns1 = proxy.round_trips, proxy.connections
     statements = statement_calls(bench)
     delta = window(before, bench.meter.settled(poke))
     c = {

@@ -41,7 +41,6 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -232,21 +231,31 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
     """gunicorn and wrk, the variants in alternating rounds: medians and their ratio; with
     ``--compare DIR``, a second gunicorn serving DIR's ``flask_idempotency`` beside it, its
     variants in the same rounds."""
-    from bench.common import free_port
-    from bench.servers import Processes
+    from bench.servers import Gunicorn, Processes, app_env, start_gunicorn, stop_gunicorn
 
     processes = Processes(workdir / "pids")
     libraries = {"": LIBRARY_ROOT}
     if args.compare:
         libraries["compared "] = Path(args.compare).resolve()
-    servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+    servers: dict[str, Gunicorn] = {}
     try:
         for label, root in libraries.items():
-            port = free_port()
-            servers[label] = (_start_gunicorn(url, root, port, workdir, processes, args), port)
+            # gunicorn runs in *root*, whose flask_idempotency (and bench, if it has one)
+            # its workers import, this bench/ after it
+            env = app_env(url, workdir, PYTHONPATH=f"{root}:{BENCH_ROOT}")
+            servers[label] = start_gunicorn(
+                processes,
+                workdir,
+                "orm-compared" if label else "orm",
+                args.workers,
+                env,
+                app="bench.orm:app_from_env()",
+                root=root,
+                health_path="/library",
+            )
         variants = [(label, name) for label in servers for name in PATHS]
         for label, name in variants:  # warm-up: every worker's pools and prepared statements
-            port = servers[label][1]
+            port = servers[label].port
             _wrk(processes, port, name, f"w{name}", 2, args.connections, ())
         rates: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
         cpus: dict[tuple[str, str], list[list[float]]] = {v: [] for v in variants}
@@ -254,15 +263,15 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
             turn = r % len(variants)  # each variant first in turn
             for label, name in variants[turn:] + variants[:turn]:
                 prefix = f"{name}{r}{uuid.uuid4().hex[:6]}"
-                proc, port = servers[label]
+                server = servers[label]
                 rate, cpu = _wrk(
                     processes,
-                    port,
+                    server.port,
                     name,
                     prefix,
                     args.seconds,
                     args.connections,
-                    (proc.pid, postmaster),
+                    (server.proc.pid, postmaster),
                 )
                 rates[label, name].append(rate)
                 cpus[label, name].append(cpu)
@@ -284,50 +293,8 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
             )
             print(f"{label}  by CPU per request, plain / transactional: {by_cpu:.2f}")
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            processes.forget(proc.pid)
-
-
-def _start_gunicorn(
-    url: str,
-    root: Path,
-    port: int,
-    workdir: Path,
-    processes: Any,
-    args: argparse.Namespace,
-) -> subprocess.Popen[bytes]:
-    """gunicorn serving this module's app with the ``flask_idempotency`` of *root*, once it
-    answers (and imports that one)."""
-    from bench.common import get_json
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(BENCH_DATABASE_URL=url, PYTHONPATH=f"{root}:{BENCH_ROOT}")
-    cmd = [
-        sys.executable,
-        *("-m", "gunicorn", "--workers", str(args.workers), "--worker-class", "sync"),
-        *("--bind", f"127.0.0.1:{port}", "--backlog", "2048", "--log-level", "warning"),
-        "bench.orm:app_from_env()",
-    ]
-    log_path = workdir / f"gunicorn-{port}.log"
-    with log_path.open("ab") as log:
-        server = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=log)
-    processes.note("gunicorn", server.pid)
-    deadline = time.monotonic() + 30
-    while not (health := get_json(port, "/library")):
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit(f"gunicorn did not start: {log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    if health["library"] != str(root / "flask_idempotency"):
-        server.kill()
-        raise SystemExit(f"gunicorn imports {health['library']}, not {root}/flask_idempotency")
-    return server
+        for server in servers.values():
+            stop_gunicorn(processes, server)
 
 
 def _wrk(

@@ -130,9 +130,14 @@ def app_env(database_url: str, exec_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def check_library(who: str, path: str) -> None:
-    """Every process must run the same flask_idempotency as this one."""
-    mine = os.path.dirname(flask_idempotency.__file__)
+def check_library(who: str, path: str, root: Path | None = None) -> None:
+    """Every process must run the same flask_idempotency as this one (given *root*, the
+    one in that directory)."""
+    mine = (
+        os.path.dirname(flask_idempotency.__file__)
+        if root is None
+        else str(root / "flask_idempotency")
+    )
     if os.path.realpath(path) != os.path.realpath(mine):
         raise BenchError(f"{who} runs flask_idempotency from {path}, not {mine}")
 
@@ -239,10 +244,22 @@ class Gunicorn:
 
 
 def start_gunicorn(
-    processes: Processes, workdir: Path, name: str, workers: int, env: dict[str, str]
+    processes: Processes,
+    workdir: Path,
+    name: str,
+    workers: int,
+    env: dict[str, str],
+    *,
+    app: str = "bench.app:create_app()",
+    root: Path | None = None,
+    health_path: str = "/health",
 ) -> Gunicorn:
     """gunicorn with *workers* sync workers of bench/app.py on a free 127.0.0.1 port, once
-    every worker is up and ``GET /health`` answers."""
+    every worker is up and ``GET /health`` answers.
+
+    Another *app* (bench/orm.py's) answers its *health_path* with the ``library`` it runs.
+    Given *root* (another checkout), gunicorn runs in that directory, first on its
+    ``sys.path``: it serves that checkout's flask_idempotency, the one then expected."""
     port = free_port()
     log_path = workdir / f"gunicorn-{name}.log"
     cmd = [
@@ -252,12 +269,12 @@ def start_gunicorn(
         *("--workers", str(workers), "--worker-class", "sync"),
         *("--bind", f"127.0.0.1:{port}", "--backlog", "2048"),
         *("--timeout", "30", "--graceful-timeout", "5", "--log-level", "warning"),
-        *("--chdir", str(ROOT), "bench.app:create_app()"),
+        *("--chdir", str(root or ROOT), app),
     ]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=root or ROOT,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -266,7 +283,7 @@ def start_gunicorn(
     server = Gunicorn(name, proc, port, workers, " ".join(cmd[3:]))
     processes.note("gunicorn", proc.pid)
     deadline = time.monotonic() + 30
-    while not ((health := get_json(port, "/health")) and len(server.worker_pids) == workers):
+    while not ((health := get_json(port, health_path)) and len(server.worker_pids) == workers):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_gunicorn(processes, server)
             tail = log_path.read_text(errors="replace")[-3000:]
@@ -274,7 +291,7 @@ def start_gunicorn(
         time.sleep(0.1)
     server.health = health
     try:
-        check_library(f"gunicorn {name}", health["library"])
+        check_library(f"gunicorn {name}", health["library"], root)
     except BenchError:
         stop_gunicorn(processes, server)
         raise

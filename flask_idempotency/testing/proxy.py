@@ -1,13 +1,15 @@
 """A TCP proxy on 127.0.0.1 that can be told to go silent: a network partition, or a
 pooler that hangs, between the app and its database. It forwards to a TCP address or to a
-PostgreSQL server's Unix socket (a *target_host* that is a directory, as libpq's ``host``).
+PostgreSQL server's Unix socket (a *target_host* that is a directory, as libpq's ``host``);
+given *listen_path*, it listens on that Unix-domain socket instead of 127.0.0.1.
 
 While :meth:`TcpProxy.freeze` is in effect the proxy accepts connections and bytes but
 forwards nothing in either direction, so the peers see a connection that is up and
 says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
 
 It also counts round trips (:attr:`TcpProxy.round_trips`): each time a client sends
-after its server last spoke (or first), so a pipeline of statements sent together is one.
+after its server last spoke (or first), so a pipeline of statements sent together is one;
+and the connections it forwarded (:attr:`TcpProxy.connections`).
 
 :meth:`TcpProxy.drop_answers` loses answers instead: the server has done its work and sent
 its answer, and the client sees its connection close without one.
@@ -15,6 +17,9 @@ its answer, and the client sees its connection close without one.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import socket
 import threading
 
@@ -30,26 +35,51 @@ class TcpProxy(Service):
     A *target_host* that starts with ``/`` is a socket directory, as libpq reads ``host``:
     the proxy forwards to the Unix socket ``<target_host>/.s.PGSQL.<target_port>`` (one
     that starts with ``@``, to that socket in Linux's abstract namespace).
+
+    Given *listen_path*, it listens on that Unix-domain socket instead (created by
+    :meth:`__init__`, removed by :meth:`stop`; :attr:`port` is then 0). Named
+    ``<directory>/.s.PGSQL.<port>``, it is what libpq connects to with ``host=<directory>``
+    and ``port=<port>``, and :meth:`url` says so.
     """
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        listen_path: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.target = (target_host, target_port)
         #: the Unix socket forwarded to, or None for a TCP target
         self.unix_path: str | None = None
         if target_host.startswith(("/", "@")):
             path = f"{target_host}/.s.PGSQL.{target_port}"
             self.unix_path = "\0" + path[1:] if path.startswith("@") else path
-        self.port = free_port()
+        #: the Unix-domain socket listened on, or None: 127.0.0.1:`port`
+        self.listen_path = os.fspath(listen_path) if listen_path is not None else None
         self._flowing = threading.Event()
         self._flowing.set()
         self._stopping = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
+        if self.listen_path is None:
+            self.port = free_port()
+            self._listener = socket.create_server(("127.0.0.1", self.port))
+        else:
+            self.port = 0
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._listener.bind(self.listen_path)
+                self._listener.listen(64)
+            except OSError:
+                self._listener.close()
+                raise
         self._listener.settimeout(0.1)
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         #: client sends that followed an answer (or came first), on every connection
         self.round_trips = 0
+        #: connections accepted and forwarded
+        self.connections = 0
         self._client_spoke_last: dict[int, bool] = {}
         self._answers_to_drop = 0
 
@@ -74,10 +104,18 @@ class TcpProxy(Service):
             return cls(info.hostaddr or info.host, info.port)
 
     def url(self, database_url: str) -> str:
-        """*database_url* pointing at this proxy instead (its TCP address on 127.0.0.1)."""
+        """*database_url* pointing at this proxy instead (its TCP address on 127.0.0.1, or
+        the directory and port of a *listen_path* named ``.s.PGSQL.<port>``)."""
         params = conninfo_to_dict(database_url)
         params.pop("hostaddr", None)
-        params.update(host="127.0.0.1", port=str(self.port))
+        if self.listen_path is None:
+            params.update(host="127.0.0.1", port=str(self.port))
+        else:
+            directory, name = os.path.split(self.listen_path)
+            named = re.fullmatch(r"\.s\.PGSQL\.(\d+)", name)
+            if named is None:
+                raise ValueError(f"libpq cannot name {self.listen_path}: not .s.PGSQL.<port>")
+            params.update(host=directory, port=named[1])
         return make_conninfo("", **params)
 
     def start(self) -> None:
@@ -109,6 +147,9 @@ class TcpProxy(Service):
         self._stopping.set()
         self._flowing.set()
         self._listener.close()
+        if self.listen_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen_path)
         with self._lock:
             for sock in self._sockets:
                 try:
@@ -145,6 +186,7 @@ class TcpProxy(Service):
                 continue
             with self._lock:
                 self._sockets += [client, upstream]
+                self.connections += 1
             if self._stopping.is_set():  # stop() is closing them
                 return
             self._spawn(self._pump, client, upstream, id(client), True)
