@@ -306,13 +306,18 @@ def test_asynchronous_standbys(
 PATRONI_FAULT_SECONDS = float(os.environ.get("IDEMPOTENCY_PATRONI_FAULT_SECONDS", "15"))
 #: the faults the cluster adds to the schedule
 LEADER_CHANGES = ("failover", "switchover")
+#: the schedule's faults that end a gunicorn worker, cutting the requests it was serving
+WORKER_ENDS = ("kill-worker", "sighup")
 
 
 def leader_change_answers(report: FaultReport) -> list[str]:
     """Every answer to a request in flight while the leader changed is a 2xx, or a 409 or
     503 problem with ``Retry-After``; or 409 ``outcome-unknown`` for a ``/charge`` key
-    whose worker the schedule killed (its ``on_abandoned="unknown"``, not the leader)."""
+    whose worker the schedule killed (its ``on_abandoned="unknown"``, not the leader); or
+    no answer at all from a worker the schedule killed or reloaded meanwhile (its
+    connection cut: the worker's fault, not the leader's)."""
     windows = [(start, end) for start, end, kind in report.windows if kind in LEADER_CHANGES]
+    killings = [(start, end) for start, end, kind in report.windows if kind in WORKER_ENDS]
     found: list[str] = []
     for intent in report.intents:
         owner_ended = any(r.pid in report.ended_pids for r in report.runs.get(intent.key, []))
@@ -325,6 +330,8 @@ def leader_change_answers(report: FaultReport) -> list[str]:
             if e.status in (409, 503) and e.problem and e.retry_after is not None:
                 continue
             if e.problem == "outcome-unknown" and owner_ended:
+                continue
+            if e.status is None and any(sent <= end and e.at >= start for start, end in killings):
                 continue
             found.append(
                 f"key {intent.key!r}: while the leader changed, {e.purpose} answered"
