@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 
 from .statements_background import DELETE_JOBS, DUE_JOBS, FAIL_JOBS, TAKE_OVER, UNRESERVE
-from .statements_request import FINISH, FINISH_GRACE_SECONDS
+from .statements_request import FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
 
 __all__ = [
     "CLAIM",
@@ -67,12 +67,9 @@ WITH seen AS (
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), intent AS (
     SELECT CASE
-        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
-        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
-        WHEN seen.status = 'completed' THEN 'replay'
-        WHEN seen.status = 'retryable' THEN 'taken_over'
-        WHEN seen.status = 'unknown' THEN 'unknown'
-        WHEN seen.lease_over THEN
+"""
+    + SETTLED_DECISIONS
+    + """        WHEN seen.lease_over THEN
             CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
                 WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
         ELSE 'in_progress'

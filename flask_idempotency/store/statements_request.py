@@ -18,6 +18,16 @@ from .owner import OWNED, lock_free
 # and changes no indexed column: a HOT update (see FINISH).
 FINISH_GRACE_SECONDS = 2
 
+# The decisions that a claim in flight has no part in, first in the claim's CASE (here and
+# on Citus, statements_citus.CLAIM): a new or expired key is claimed, another payload is a
+# mismatch, a settled key is replayed, taken over or unknown.
+SETTLED_DECISIONS = """        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
+        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.status = 'completed' THEN 'replay'
+        WHEN seen.status = 'retryable' THEN 'taken_over'
+        WHEN seen.status = 'unknown' THEN 'unknown'
+"""
+
 # Reads the row with the statement's snapshot and decides; only when the request
 # must run the view does it take the advisory lock and write. The write is fenced
 # by what was read (attempt, generation, status): a row that changed, or appeared,
@@ -50,12 +60,9 @@ WITH seen AS (
     FROM seen
 ), intent AS (
     SELECT CASE
-        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
-        WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
-        WHEN seen.status = 'completed' THEN 'replay'
-        WHEN seen.status = 'retryable' THEN 'taken_over'
-        WHEN seen.status = 'unknown' THEN 'unknown'
-        -- the policy recorded by the claim that was abandoned, not this request's
+"""
+    + SETTLED_DECISIONS
+    + """        -- the policy recorded by the claim that was abandoned, not this request's
         -- route's (a deploy may have changed it); none recorded: this route's
         WHEN seen.lease_over OR (owner.free AND seen.owner_id = %(gone_owner)s::bigint) THEN
             CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
