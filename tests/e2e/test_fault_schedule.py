@@ -50,6 +50,15 @@ APP = "tests.apps.fault_app:create_app()"
 LEASE = 2  # seconds: short, so that abandoned claims become due within the run
 POOL_TIMEOUT = 2
 STATEMENT_TIMEOUT = 2
+#: the extension's settings of the served app (tests/apps/fault_app.py), here and on the
+#: Patroni cluster (tests/e2e/test_patroni.py)
+SETTINGS: dict[str, Any] = {
+    "lease": LEASE,
+    "pool_timeout": POOL_TIMEOUT,
+    "statement_timeout": STATEMENT_TIMEOUT,
+    "reconcile_backoff": 1,
+    "stored_request_headers": ["Content-Type", "X-Tenant"],
+}
 
 #: the routes of tests/apps/fault_app.py and how many of every hundred new keys go to each
 ROUTES = (("charge", 45), ("transfer", 30), ("note", 25))
@@ -203,13 +212,6 @@ def test_fault_schedule_runs_no_view_twice(
     tenant = f"faults-{seed}-{uuid.uuid4().hex[:8]}"
     create_tables(store.url, database_url)
     effects = Effects(tenant, store.url, database_url)
-    settings: dict[str, Any] = {
-        "lease": LEASE,
-        "pool_timeout": POOL_TIMEOUT,
-        "statement_timeout": STATEMENT_TIMEOUT,
-        "reconcile_backoff": 1,
-        "stored_request_headers": ["Content-Type", "X-Tenant"],
-    }
     report = run_fault_schedule(
         APP,
         REQUESTS,
@@ -218,7 +220,7 @@ def test_fault_schedule_runs_no_view_twice(
         seconds=FAULT_SECONDS,
         seed=seed,
         effects=effects,
-        env=environment(database_url, **settings),
+        env=environment(database_url, **SETTINGS),
         headers={"X-Tenant": tenant},
         workers=3,
         clients=4,

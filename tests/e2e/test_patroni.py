@@ -42,10 +42,8 @@ from flask_idempotency.testing.patroni import TTL, PatroniCluster
 from tests.apps import fault_app
 from tests.apps.e2e_app import create_tables, environment
 from tests.e2e.test_fault_schedule import (
-    LEASE,
-    POOL_TIMEOUT,
     REQUESTS,
-    STATEMENT_TIMEOUT,
+    SETTINGS,
     Effects,
     project_problems,
 )
@@ -352,13 +350,6 @@ def test_fault_schedule_on_the_cluster(
     tenant = f"patroni-{seed}-{uuid.uuid4().hex[:8]}"
     fault_app.create_tables(cluster.url, database_url)
     effects = Effects(tenant, cluster.url, database_url)
-    settings: dict[str, object] = {
-        "lease": LEASE,
-        "pool_timeout": POOL_TIMEOUT,
-        "statement_timeout": STATEMENT_TIMEOUT,
-        "reconcile_backoff": 1,
-        "stored_request_headers": ["Content-Type", "X-Tenant"],
-    }
     report = run_fault_schedule(
         fault_app.__name__ + ":create_app()",
         REQUESTS,
@@ -366,7 +357,7 @@ def test_fault_schedule_on_the_cluster(
         seconds=PATRONI_FAULT_SECONDS,
         seed=seed,
         effects=effects,
-        env=fault_app.environment(database_url, **settings),
+        env=fault_app.environment(database_url, **SETTINGS),
         headers={"X-Tenant": tenant},
         workers=3,
         clients=4,
