@@ -83,9 +83,7 @@ class PostgresStore(Execution):
         super().__init__(settings, pool)
         # The request path's statements, composed once: psycopg re-renders a Composed
         # on every execute, but caches the parsing of a plain string.
-        notify = sql.SQL("pg_notify({}, %(lock_id)s::bigint::text)").format(
-            sql.Literal(self.channel)
-        )
+        notify = self._wake_twins()
         # A transactional view's claim joins the view's transaction, whose commit is
         # the view's own: it never commits asynchronously.
         self._claim_pinned_statement = Statement(self.render(CLAIM, commit_mode=sql.SQL("")))
