@@ -7,9 +7,12 @@ idempotency, against a throwaway durable PostgreSQL (as ``bench.cost`` starts on
     python -m bench.orm --http [--rounds 4] [--seconds 8]    # gunicorn, wrk, 16 clients
     python -m bench.orm --http --compare DIR                 # and DIR's library beside it
 
-Both views add one ``Order`` through ``db.session``; the plain one calls
+All three views add one ``Order`` through ``db.session``; the plain one calls
 ``db.session.commit()``, the idempotent one lets the key's transaction commit it with the
-answer.
+answer. The third, the floor, is what a hand-written idempotent view sends at the least
+through the same session: a bare ``INSERT ... ON CONFLICT DO NOTHING`` of the key before
+the order and an ``UPDATE`` storing the answer after it, one commit (its key table has
+the key, a status and the answer; no fingerprint, lease, expiry or owner).
 
 - The default mode drives the app with Flask's test client, sequentially, interleaved:
   per variant the best round's requests a second and the CPU per request of this process.
@@ -21,18 +24,20 @@ answer.
   time (planning and execution). Deterministic: the machine's load moves none of
   them but the time.
 - ``--http``: gunicorn (``--workers``, sync) serving the app, wrk (2 threads,
-  ``--connections``) sending new keys, the two variants in alternating rounds: the median
+  ``--connections``) sending new keys, the variants in alternating rounds: the median
   rate of each and the ratio of the medians, with each round's ratio; and the CPU time of
   gunicorn and PostgreSQL per request (its ratio is what the rates' would be on a machine
   whose CPUs are the only limit: a stall of a shared machine's disk does not move it).
   ``--compare DIR`` serves DIR's ``flask_idempotency`` (another checkout, e.g. ``git
-  worktree``) from a second gunicorn, its two variants in the same rotation: a
-  before/after in one run.
+  worktree``) from a second gunicorn, its plain and transactional views in the same
+  rotation: a before/after in one run (the floor does not depend on the library: served
+  once).
 
-Whichever mode, the ratio is transactional / plain (the issue asks for at least 0.7 under
-HTTP load). The ``flask_idempotency`` measured is the one this process imports (run it from
-another directory with ``PYTHONPATH`` to measure another checkout's); gunicorn's workers
-import the same one.
+Whichever mode, the ratios are transactional / plain (the issue asks for at least 0.7 under
+HTTP load), floor / plain (what the floor reaches: the most any library could) and
+transactional / floor. The ``flask_idempotency`` measured is the one this process imports
+(run it from another directory with ``PYTHONPATH`` to measure another checkout's);
+gunicorn's workers import the same one.
 """
 
 from __future__ import annotations
@@ -49,15 +54,34 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from flask import Flask, request
+from flask import Flask, make_response, request
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import flask_idempotency
 from flask_idempotency import Idempotency
 
-#: the two variants: name -> path
-PATHS = {"plain": "/plain-orders", "transactional": "/orders"}
+#: the variants: name -> path (the floor's does not depend on the library: a compared
+#: checkout's is not served)
+PATHS = {"plain": "/plain-orders", "transactional": "/orders", "floor": "/floor-orders"}
+#: the floor's key table and its two statements, in the view's own transaction: the least
+#: that a hand-written idempotent order view sends through Flask-SQLAlchemy
+FLOOR_KEYS = """
+CREATE TABLE IF NOT EXISTS bench_orm_floor_keys (
+    key text PRIMARY KEY,
+    status text NOT NULL,
+    response_status smallint,
+    response_body bytea
+)"""
+FLOOR_CLAIM = text(
+    "INSERT INTO bench_orm_floor_keys (key, status) VALUES (:key, 'processing')"
+    " ON CONFLICT DO NOTHING RETURNING 1"
+)
+FLOOR_FINISH = text(
+    "UPDATE bench_orm_floor_keys SET status = 'completed', response_status = :status,"
+    " response_body = :body WHERE key = :key"
+)
 #: the directory whose ``flask_idempotency`` and ``bench`` gunicorn's workers import
 LIBRARY_ROOT = Path(flask_idempotency.__file__).resolve().parent.parent
 BENCH_ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +92,7 @@ class _Base(DeclarativeBase):
 
 
 def create_app(url: str, keys_url: str | None = None) -> Flask:
-    """The two order views over one model; *url* is the libpq URL of the database (the
+    """The order views over one model; *url* is the libpq URL of the database (the
     extension's store uses *keys_url* if given: the same database, another route)."""
     db = SQLAlchemy(model_class=_Base)
 
@@ -103,12 +127,28 @@ def create_app(url: str, keys_url: str | None = None) -> Flask:
         db.session.commit()
         return answer, 201
 
+    @app.post("/floor-orders")
+    def floor_order() -> tuple[dict[str, Any], int]:
+        """The floor of ``transactional=True``: the claim's INSERT, the order, the answer's
+        UPDATE, one commit; a key seen before is not answered (new keys only here)."""
+        key = request.headers["Idempotency-Key"]
+        if db.session.execute(FLOOR_CLAIM, {"key": key}).first() is None:
+            db.session.rollback()
+            return {"error": "key seen before"}, 409
+        answer = add_order()
+        body = make_response(answer, 201).get_data()
+        db.session.execute(FLOOR_FINISH, {"key": key, "status": 201, "body": body})
+        db.session.commit()
+        return answer, 201
+
     @app.get("/library")
     def library() -> dict[str, str]:
         return {"library": str(Path(flask_idempotency.__file__).resolve().parent)}
 
     with app.app_context():
         db.create_all()
+        db.session.execute(text(FLOOR_KEYS))
+        db.session.commit()
     return app
 
 
@@ -160,8 +200,9 @@ def in_process(url: str, args: argparse.Namespace) -> None:
                 f"{variant:14} {got['rate']:7.0f} req/s (median round {got['median_rate']:.0f})"
                 f"  CPU {got['cpu_us']:6.0f} us/request"
             )
-        ratio = results["transactional"]["rate"] / results["plain"]["rate"]
-        print(f"transactional / plain: {ratio:.2f} (requests a second, best rounds)")
+        for name in ("transactional", "floor"):
+            ratio = results[name]["rate"] / results["plain"]["rate"]
+            print(f"{name} / plain: {ratio:.2f} (requests a second, best rounds)")
     finally:
         app.extensions["idempotency"].store.close()
 
@@ -253,7 +294,9 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
                 root=root,
                 health_path="/library",
             )
-        variants = [(label, name) for label in servers for name in PATHS]
+        variants = [
+            (label, name) for label in servers for name in PATHS if not (label and name == "floor")
+        ]
         for label, name in variants:  # warm-up: every worker's pools and prepared statements
             port = servers[label].port
             _wrk(processes, port, name, f"w{name}", 2, args.connections, ())
@@ -283,15 +326,17 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
                 f"  CPU per request {app + server:5.0f} us (gunicorn {app:.0f},"
                 f" PostgreSQL {server:.0f}; medians)"
             )
-        for label in servers:
-            tx, plain = rates[label, "transactional"], rates[label, "plain"]
-            each = ", ".join(f"{t / p:.2f}" for t, p in zip(tx, plain, strict=True))
-            ratio = statistics.median(tx) / statistics.median(plain)
-            print(f"{label}transactional / plain: {ratio:.2f} (medians; each round's {each})")
-            by_cpu = statistics.median(map(sum, cpus[label, "plain"])) / statistics.median(
-                map(sum, cpus[label, "transactional"])
+        pairs = [(label, "transactional", "plain") for label in servers]
+        pairs += [("", "floor", "plain"), ("", "transactional", "floor")]
+        for label, name, base in pairs:
+            got, under = rates[label, name], rates[label, base]
+            each = ", ".join(f"{t / p:.2f}" for t, p in zip(got, under, strict=True))
+            ratio = statistics.median(got) / statistics.median(under)
+            print(f"{label}{name} / {base}: {ratio:.2f} (medians; each round's {each})")
+            by_cpu = statistics.median(map(sum, cpus[label, base])) / statistics.median(
+                map(sum, cpus[label, name])
             )
-            print(f"{label}  by CPU per request, plain / transactional: {by_cpu:.2f}")
+            print(f"{label}  by CPU per request, {base} / {name}: {by_cpu:.2f}")
     finally:
         for server in servers.values():
             stop_gunicorn(processes, server)
