@@ -12,7 +12,8 @@ All three views add one ``Order`` through ``db.session``; the plain one calls
 answer. The third, the floor, is what a hand-written idempotent view sends at the least
 through the same session: a bare ``INSERT ... ON CONFLICT DO NOTHING`` of the key before
 the order and an ``UPDATE`` storing the answer after it, one commit (its key table has
-the key, a status and the answer; no fingerprint, lease, expiry or owner).
+the key, a status and the answer; no fingerprint, lease, expiry or owner): the table and
+the statements of ``bench/app.py``'s floor (variant p).
 
 - The default mode drives the app with Flask's test client, sequentially, interleaved:
   per variant the best round's requests a second and the CPU per request of this process.
@@ -56,32 +57,15 @@ from typing import Any
 import psycopg
 from flask import Flask, make_response, request
 from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy import text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import flask_idempotency
+from bench.app import FLOOR_CLAIM, FLOOR_FINISH, HANDROLLED_SCHEMA
 from flask_idempotency import Idempotency
 
 #: the variants: name -> path (the floor's does not depend on the library: a compared
 #: checkout's is not served)
 PATHS = {"plain": "/plain-orders", "transactional": "/orders", "floor": "/floor-orders"}
-#: the floor's key table and its two statements, in the view's own transaction: the least
-#: that a hand-written idempotent order view sends through Flask-SQLAlchemy
-FLOOR_KEYS = """
-CREATE TABLE IF NOT EXISTS bench_orm_floor_keys (
-    key text PRIMARY KEY,
-    status text NOT NULL,
-    response_status smallint,
-    response_body bytea
-)"""
-FLOOR_CLAIM = text(
-    "INSERT INTO bench_orm_floor_keys (key, status) VALUES (:key, 'processing')"
-    " ON CONFLICT DO NOTHING RETURNING 1"
-)
-FLOOR_FINISH = text(
-    "UPDATE bench_orm_floor_keys SET status = 'completed', response_status = :status,"
-    " response_body = :body WHERE key = :key"
-)
 #: the directory whose ``flask_idempotency`` and ``bench`` gunicorn's workers import
 LIBRARY_ROOT = Path(flask_idempotency.__file__).resolve().parent.parent
 BENCH_ROOT = Path(__file__).resolve().parent.parent
@@ -132,12 +116,13 @@ def create_app(url: str, keys_url: str | None = None) -> Flask:
         """The floor of ``transactional=True``: the claim's INSERT, the order, the answer's
         UPDATE, one commit; a key seen before is not answered (new keys only here)."""
         key = request.headers["Idempotency-Key"]
-        if db.session.execute(FLOOR_CLAIM, {"key": key}).first() is None:
+        conn = db.session.connection()
+        if conn.exec_driver_sql(FLOOR_CLAIM, (key,)).first() is None:
             db.session.rollback()
             return {"error": "key seen before"}, 409
         answer = add_order()
         body = make_response(answer, 201).get_data()
-        db.session.execute(FLOOR_FINISH, {"key": key, "status": 201, "body": body})
+        conn.exec_driver_sql(FLOOR_FINISH, (201, body, key))
         db.session.commit()
         return answer, 201
 
@@ -147,7 +132,7 @@ def create_app(url: str, keys_url: str | None = None) -> Flask:
 
     with app.app_context():
         db.create_all()
-        db.session.execute(text(FLOOR_KEYS))
+        db.session.connection().exec_driver_sql(HANDROLLED_SCHEMA)  # bench/app's floor_keys
         db.session.commit()
     return app
 
