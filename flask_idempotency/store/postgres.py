@@ -1,9 +1,11 @@
 """PostgresStore: the request path's statements of :mod:`.statements_request`.
 
-A request costs at most two statements, each its own transaction: the *claim* (read
-the row; when the view must run, take a transaction-scoped advisory lock and insert or
-take over the ``processing`` row: one round trip, no lock outlives it, PgBouncer-safe)
-and the *finish* (one UPDATE fenced by the attempt). A replay is the claim alone.
+A new key costs two statements, each its own transaction: the *claim* (read the row;
+when the view must run, take a transaction-scoped advisory lock and insert the
+``processing`` row: one round trip, no lock outlives it, PgBouncer-safe) and the *finish*
+(one UPDATE fenced by the attempt). A replay is the claim alone. The claim's first look
+(CLAIM_FIRST) decides a new or settled key; a key in flight, retryable, unknown or expired
+is decided by a second statement (CLAIM), which takes it over when it must.
 What a request does with the answers is :mod:`..handler`'s and :mod:`..ending`'s; the
 pool and the execution path are :mod:`.execution`'s.
 """
@@ -44,6 +46,8 @@ from .statements_request import (
     ASYNC_CLAIM,
     ASYNC_COMMIT,
     CLAIM,
+    CLAIM_FIRST,
+    COMPLETE,
     DEFER,
     FINISH,
     FINISHED,
@@ -92,16 +96,24 @@ class PostgresStore(Execution):
             if settings.synchronous_claim
             else Statement(self.render(CLAIM, commit_mode=sql.SQL(ASYNC_CLAIM)))
         )
+        #: a claim's first look (CLAIM_FIRST), pinned or not, as the claim's
+        self._claim_first_pinned = self.statement(CLAIM_FIRST, commit_mode=sql.SQL(""))
+        self._claim_first = (
+            self._claim_first_pinned
+            if settings.synchronous_claim
+            else self.statement(CLAIM_FIRST, commit_mode=sql.SQL(ASYNC_CLAIM))
+        )
         commit_mode = sql.SQL("" if settings.synchronous_finish else ASYNC_COMMIT)
-        #: the finish, by (notify waiting twins?, insert staged jobs?)
+        #: the finish, by (completed?, notify waiting twins?, insert staged jobs?)
         self._finishes = {
-            (wake, staging): Statement(
+            (completed, wake, staging): Statement(
                 self.render(
-                    _staging(FINISH) if staging else FINISH,
+                    _staging(finish) if staging else finish,
                     notify=notify if wake else sql.SQL("1"),
                     commit_mode=commit_mode,
                 )
             )
+            for completed, finish in ((False, FINISH), (True, COMPLETE))
             for wake in (False, True)
             for staging in (False, True)
         }
@@ -210,8 +222,7 @@ class PostgresStore(Execution):
             if self.citus:
                 row = self._claim_on_citus(params, pinned)
             else:
-                statement = self._claim if pinned is None else self._claim_pinned_statement
-                _, row = self.run(statement, params, pinned, on_lost=sent.lose)
+                row = self._claim_here(params, pinned, sent)
             assert row is not None
             with unreadable():
                 outcome = claim_outcome(row, fingerprint, self.at_rest, tenant, key)
@@ -234,6 +245,30 @@ class PostgresStore(Execution):
         connection, uncommitted (a claim sends no COMMIT)."""
         owner = self._live_owner() if pinned is None and params["owner"] is not None else None
         return nullcontext(Claiming()) if owner is None else owner.claiming(tenant, key)
+
+    def _claim_here(
+        self, params: dict[str, Any], pinned: HeldTransaction | None, sent: Claiming
+    ) -> tuple[Any, ...] | None:
+        """The claim's row on one PostgreSQL: its first look (CLAIM_FIRST: a new key claimed,
+        a settled one answered), then CLAIM when the first look decided nothing. A look
+        again at a free owner (*gone_owner*) is CLAIM's alone.
+
+        :raises StoreError: the store failed; or, in *pinned*'s transaction, a twin's row
+            committed under the first look (:func:`raced`: that transaction is aborted).
+        """
+        if params["gone_owner"] is None:
+            first = self._claim_first if pinned is None else self._claim_first_pinned
+            try:
+                _, row = self.run(first, params, pinned, on_lost=sent.lose)
+            except StoreError as exc:
+                if pinned is not None or not raced(exc):
+                    raise
+                row = None  # a twin's row committed meanwhile: CLAIM sees it
+            if row is not None and row[0] is not None:
+                return row
+        claim = self._claim if pinned is None else self._claim_pinned_statement
+        _, row = self.run(claim, params, pinned, on_lost=sent.lose)
+        return row
 
     def _claim_on_citus(
         self, params: dict[str, Any], pinned: HeldTransaction | None
@@ -275,7 +310,7 @@ class PostgresStore(Execution):
         try:
             return self._claim_pinned(*args)
         except StoreError as exc:
-            if not self._recoverable(exc.__cause__):
+            if not (self._recoverable(exc.__cause__) or raced(exc)):
                 raise
         return self._claim_pinned(*args)
 
@@ -338,7 +373,7 @@ class PostgresStore(Execution):
         if self.citus:
             statement = self._citus_finishes[bool(jobs)]
         else:
-            statement = self._finishes[notify, bool(jobs)]
+            statement = self._finishes[status is KeyStatus.COMPLETED, notify, bool(jobs)]
         with self._kept_on_failure(statement, params, pinned):
             rowcount, row = self.run(statement, params, pinned, commit=commit, patient=True)
             if rowcount == 1 and row is not None:
@@ -489,6 +524,11 @@ def _fence(tenant: str, key: str, outcome: ClaimOutcome) -> dict[str, Any]:
         "attempt": outcome.attempt,
         "generation": outcome.generation,
     }
+
+
+def raced(exc: StoreError) -> bool:
+    """*exc* is a claim's first look that met a twin's row committed after its snapshot."""
+    return isinstance(exc.__cause__, psycopg.errors.UniqueViolation)
 
 
 def _staging(update: str) -> str:

@@ -28,6 +28,52 @@ SETTLED_DECISIONS = """        WHEN seen.status IS NULL OR seen.expired THEN 'cl
         WHEN seen.status = 'unknown' THEN 'unknown'
 """
 
+# A claim's first look (SPEC §20 unchanged): what a key that was never used, or one that is
+# settled, needs, at the least a statement can do. A key without a row is inserted under
+# its advisory lock by a plain INSERT (no speculative insertion: no ON CONFLICT and its
+# confirmation record, 48 bytes of WAL per new key); a completed key with this fingerprint
+# is replayed, another fingerprint is a mismatch, both decided exactly as CLAIM's
+# SETTLED_DECISIONS would (a key past its expiry is CLAIM's). Anything else (a claim in
+# flight, a retryable, unknown or expired key, a lock a twin holds) answers no decision,
+# and the caller sends CLAIM. Its row has CLAIM's columns. A twin whose row committed
+# between this statement's snapshot and its INSERT makes it fail with a unique violation
+# (nothing written): the caller sends CLAIM, which sees that row. The lock is asked only
+# when the row is absent (CASE: evaluated in order, whatever the planner prefers).
+CLAIM_FIRST = (
+    """
+WITH seen AS (
+    SELECT status, fingerprint, attempt, response_status, response_headers, response_body,
+           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           extract(epoch FROM expires_at - now()) AS expires_in, expires_at
+    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), claimed AS (
+    INSERT INTO {table}
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+         request, request_body, on_abandoned, ttl_seconds,
+         owner_id, owner_claim, owner_host, owner_pid)
+    SELECT %(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1, now.us,
+           now() + make_interval(secs => %(lease)s),
+           now() + make_interval(secs => %(ttl)s + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
+           %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
+           %(owner)s::bigint, now.us + 1, %(owner_host)s::text, %(owner_pid)s::integer
+    FROM (SELECT (extract(epoch FROM now()) * 1000000)::bigint AS us) AS now
+    WHERE CASE WHEN EXISTS (SELECT FROM seen) THEN false
+               ELSE pg_try_advisory_xact_lock(%(lock_id)s::bigint) END
+    RETURNING attempt, generation, recovery_point
+)
+SELECT CASE WHEN claimed.attempt IS NOT NULL THEN 'claimed'
+            WHEN seen.expired THEN NULL
+            WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+            WHEN seen.status = 'completed' THEN 'replay' END,
+       claimed.attempt, claimed.generation, claimed.recovery_point, 0, seen.status,
+       seen.attempt, seen.response_status, seen.response_headers, seen.response_body,
+       seen.expires_in, seen.expires_at, NULL::float8, NULL::float8, NULL::bigint
+FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN claimed ON true{commit_mode}
+"""
+)
+
 # Reads the row with the statement's snapshot and decides; only when the request
 # must run the view does it take the advisory lock and write. The write is fenced
 # by what was read (attempt, generation, status): a row that changed, or appeared,
@@ -167,6 +213,24 @@ SET status = %(status)s,
     owner_claim = CASE WHEN %(status)s::text = 'completed' THEN owner_claim END,
     owner_host = CASE WHEN %(status)s::text = 'completed' THEN owner_host END,
     owner_pid = CASE WHEN %(status)s::text = 'completed' THEN owner_pid END
+{commit_mode}
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s
+  AND status <> 'completed'
+RETURNING {notify}, expires_at
+"""
+
+# FINISH of the common end, a completed key, with its CASEs decided: the same columns
+# written with the same values, none of them computed per status.
+COMPLETE = """
+UPDATE {table}
+SET status = 'completed',
+    updated_at = now(),
+    expires_at = greatest(expires_at, now() + make_interval(secs => %(ttl)s)),
+    response_status = %(response_status)s,
+    response_headers = %(response_headers)s,
+    response_body = %(response_body)s,
+    request = NULL, request_body = NULL, reconcile_due_at = NULL
 {commit_mode}
 WHERE tenant = %(tenant)s AND key = %(key)s
   AND attempt = %(attempt)s AND generation = %(generation)s

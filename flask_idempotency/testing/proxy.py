@@ -82,6 +82,7 @@ class TcpProxy(Service):
         self.connections = 0
         self._client_spoke_last: dict[int, bool] = {}
         self._answers_to_drop = 0
+        self._answers_to_pass = 0
 
     @classmethod
     def to_database(cls, database_url: str) -> TcpProxy:
@@ -128,17 +129,22 @@ class TcpProxy(Service):
     def thaw(self) -> None:
         self._flowing.set()
 
-    def drop_answers(self, count: int = 1) -> None:
-        """Lose the next *count* answers: on the first bytes a server sends after its client
-        spoke, the proxy forwards nothing and closes both sides of that connection."""
+    def drop_answers(self, count: int = 1, *, after: int = 0) -> None:
+        """Lose the next *count* answers, once *after* more have passed: on the first bytes a
+        server sends after its client spoke, the proxy forwards nothing and closes both sides
+        of that connection."""
         with self._lock:
             self._answers_to_drop = count
+            self._answers_to_pass = after
 
     def _drops(self, pair: int, from_client: bool) -> bool:
         """Whether these bytes, just read, start an answer to be dropped."""
         with self._lock:
             starts_answer = not from_client and self._client_spoke_last.get(pair, False)
             if starts_answer and self._answers_to_drop > 0:
+                if self._answers_to_pass > 0:
+                    self._answers_to_pass -= 1
+                    return False
                 self._answers_to_drop -= 1
                 return True
             return False

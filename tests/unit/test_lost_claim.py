@@ -71,9 +71,13 @@ def row(db: DB, key: str) -> tuple[Any, ...] | None:
     return None if found is None else tuple(found)
 
 
-def lose_the_claims_answer(app: Flask, proxy: TcpProxy, key: str) -> TestResponse:
-    """Send a first request for *key* whose claim commits but whose answer is lost."""
-    proxy.drop_answers(1)
+def lose_the_claims_answer(
+    app: Flask, proxy: TcpProxy, key: str, *, statement: int = 1
+) -> TestResponse:
+    """Send a first request for *key* whose claim commits but whose answer is lost: the
+    answer of the request's *statement*-th statement (a takeover's claim is its second:
+    CLAIM after the first look, statements_request.CLAIM_FIRST, found the key in use)."""
+    proxy.drop_answers(1, after=statement - 1)
     answer = post(app.test_client(), "/payments", key)
     # the claim's connection died after the commit: the claim, sent again, met its own row
     # (409), or the bound ran out (503); the view never ran
@@ -110,14 +114,19 @@ def test_a_new_keys_claim_whose_answer_was_lost_is_handed_back(
 def test_a_takeovers_claim_whose_answer_was_lost_ends_its_lease_at_once(
     lossy: Flask, twin: Flask, proxy: TcpProxy, db: DB, key: str
 ) -> None:
-    # attempt 1 answered and released (retryable): the lost claim is a takeover, attempt 2
-    assert post(twin.test_client(), "/payments", key).status_code == 201
-    db.execute(
-        "UPDATE idempotency_keys SET status = 'retryable', response_status = NULL,"
-        " response_headers = NULL, response_body = NULL WHERE key = %s",
-        [key],
-    )
-    lose_the_claims_answer(lossy, proxy, key)
+    # two takeovers first, so that CLAIM is prepared on both of the pool's connections: the
+    # dropped answer is then the takeover's, not a PARSE's
+    for warm in (key + "-warm-1", key + "-warm-2", key):
+        # attempt 1 answered and released (retryable): the next claim is a takeover
+        assert post(twin.test_client(), "/payments", warm).status_code == 201
+        db.execute(
+            "UPDATE idempotency_keys SET status = 'retryable', response_status = NULL,"
+            " response_headers = NULL, response_body = NULL WHERE key = %s",
+            [warm],
+        )
+        if warm != key:
+            assert post(lossy.test_client(), "/payments", warm).status_code == 201
+    lose_the_claims_answer(lossy, proxy, key, statement=2)
     answer, waited, conflicts = served_after(twin, key, LEASE + 5)
     print(f"lost takeover: the retry was served {waited:.2f} s later ({conflicts} 409s)")
     assert answer.status_code == 201
