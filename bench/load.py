@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,35 @@ def run_wrk(
 ) -> dict[str, Any]:
     cmd = wrk_command(port, path, mode, prefix, seconds, threads, connections)
     return parse_wrk(processes.run(cmd, timeout=seconds + 60))
+
+
+def wrk_round(
+    processes: Processes,
+    port: int,
+    path: str,
+    prefix: str,
+    seconds: float,
+    clients: int,
+    pids: Sequence[int],
+) -> tuple[float, list[float]]:
+    """One wrk round of new keys on *path* (2 threads, *clients* connections): its requests
+    a second, and the CPU time (µs) per request of each of the processes *pids* with its
+    children (gunicorn's, the server's: figures a stall of the shared machine's disk does
+    not move). Any error or answer other than 201 ends the benchmark."""
+    from bench.system import children, process_cpu
+
+    def cpu() -> list[float]:
+        return [
+            process_cpu(pid, reaped=True) + sum(process_cpu(c) for c in children(pid))
+            for pid in pids
+        ]
+
+    before = cpu()
+    got = run_wrk(processes, port, path, "new", prefix, seconds, threads=2, connections=clients)
+    if got["errors_total"] or got["others"]:
+        raise SystemExit(f"{path}: errors {got['errors']}, other answers {got['others']}")
+    used = [(b - a) / max(got["requests"], 1) * 1e6 for a, b in zip(before, cpu(), strict=True)]
+    return float(got["rps"]), used
 
 
 class Pgbench:

@@ -330,26 +330,10 @@ def under_http(url: str, postmaster: int, workdir: Path, args: argparse.Namespac
 def _wrk(
     processes: Any, port: int, name: str, prefix: str, seconds: float, clients: int, pids: Any
 ) -> tuple[float, list[float]]:
-    """One wrk round of new keys on variant *name*: its requests a second, and the CPU
-    time (µs) per request of each of the processes *pids* with its children (gunicorn's,
-    the server's: figures a stall of the shared machine's disk does not move)."""
-    from bench.load import run_wrk
-    from bench.system import children, process_cpu
+    """One wrk round of new keys on variant *name* (:func:`bench.load.wrk_round`)."""
+    from bench.load import wrk_round
 
-    def cpu() -> list[float]:
-        return [
-            process_cpu(pid, reaped=True) + sum(process_cpu(c) for c in children(pid))
-            for pid in pids
-        ]
-
-    before = cpu()
-    got = run_wrk(
-        processes, port, PATHS[name], "new", prefix, seconds, threads=2, connections=clients
-    )
-    if got["errors_total"] or got["others"]:
-        raise SystemExit(f"{name}: errors {got['errors']}, other answers {got['others']}")
-    used = [(b - a) / max(got["requests"], 1) * 1e6 for a, b in zip(before, cpu(), strict=True)]
-    return float(got["rps"]), used
+    return wrk_round(processes, port, PATHS[name], prefix, seconds, clients, pids)
 
 
 def main(argv: list[str] | None = None) -> int:

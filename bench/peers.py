@@ -54,7 +54,7 @@ def register(app: Flask, work: Work) -> None:
 def probe_flask_idempotent() -> str:
     """Flask-Idempotent 0.1.0 is measured only if it imports; it says why not."""
     try:
-        import flask_idempotent  # type: ignore[import-not-found] # noqa: F401
+        import flask_idempotent  # type: ignore[import-not-found,import-untyped,unused-ignore] # noqa: F401
     except Exception as exc:  # it fails at import time on current Flask and Jinja
         return f"{type(exc).__name__}: {exc}"
     return "imports, but bench/peers.py does not wire it (see docs/performance.md)"

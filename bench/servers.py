@@ -187,11 +187,12 @@ class Postgres:
             raise BenchError(f"the server is not durable: {shown}")
         return shown
 
-    def prepare_app(self, env: dict[str, str]) -> None:
-        """The extension's table (``flask idempotency-init``) and the hand-rolled one."""
+    def prepare_app(self, env: dict[str, str], root: Path | None = None) -> None:
+        """The extension's table (``flask idempotency-init``, of *root*'s checkout if given)
+        and the hand-rolled one."""
         subprocess.run(
             [sys.executable, "-m", "flask", "--app", "bench.app:create_app()", "idempotency-init"],
-            cwd=ROOT,
+            cwd=root or ROOT,
             env=env,
             check=True,
             capture_output=True,
