@@ -170,6 +170,7 @@ class Pgbench:
             "on_abandoned": "taken_over",
             "lease": "60",  # seconds: the defaults of IDEMPOTENCY_LEASE and IDEMPOTENCY_TTL
             "ttl": "86400",
+            "tombstone_ttl": "2592000",  # IDEMPOTENCY_TOMBSTONE_TTL's default, 30 days
             "status": "completed",
             "attempt": "1",
             "response_status": "201",

@@ -18,7 +18,13 @@ from werkzeug.http import http_date
 
 from . import signals
 from .config import RouteSettings
-from .errors import FingerprintMismatch, OutcomeUnknown, ProblemError, RequestInProgress
+from .errors import (
+    FingerprintMismatch,
+    KeyExpired,
+    OutcomeUnknown,
+    ProblemError,
+    RequestInProgress,
+)
 from .keys import tenant_tag
 from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
@@ -68,6 +74,13 @@ ANSWERS: dict[Decision, Answer] = {
     ),
     Decision.UNKNOWN: _UNKNOWN,
     Decision.MARKED_UNKNOWN: _UNKNOWN,
+    Decision.EXPIRED: Answer(
+        logging.INFO,
+        KeyExpired,
+        "The request with this {header} completed, and its answer has expired: it will not"
+        " run again under this key. Check whether it took effect before you send it under"
+        " a new key.",
+    ),
 }
 
 
@@ -104,7 +117,10 @@ def answer(
             wait = outcome.retry_after(settings.retry_after, RETRY_AFTER_CAP)
             if settings.in_progress_status == 202:
                 return accepted(settings, detail, wait=wait)
-        raise settings.problem(row.problem, detail, retry_after=row.retry_after, wait=wait)
+        problem = settings.problem(row.problem, detail, retry_after=row.retry_after, wait=wait)
+        if outcome.decision is Decision.EXPIRED:
+            problem.members.update(expired_members(outcome))
+        raise problem
     if outcome.response is not None:
         return replay(outcome.response, settings, outcome.expires_at)
     return None
@@ -132,11 +148,24 @@ def decision_signals(
         return [(signals.replayed, {**attempt, "status": outcome.response.status})]
     if decision is Decision.MISMATCH:
         return [(signals.mismatch, {})]
+    if decision is Decision.EXPIRED:
+        return [(signals.expired, attempt)]
     reason = "in_progress" if decision is Decision.IN_PROGRESS else "unknown"
     conflict = (signals.conflict, {"reason": reason, "waited": waited})
     if decision is Decision.MARKED_UNKNOWN:
         return [(signals.abandoned_marked_unknown, attempt), conflict]
     return [conflict]
+
+
+def expired_members(outcome: ClaimOutcome) -> dict[str, Any]:
+    """The members of a ``key-expired`` problem: when the key's first answer completed and
+    expired (RFC 3339), and its status."""
+    assert outcome.completed_at is not None and outcome.expires_at is not None
+    return {
+        "completed_at": outcome.completed_at.isoformat(),
+        "expired_at": outcome.expires_at.isoformat(),
+        "first_status": outcome.first_status,
+    }
 
 
 def replay(

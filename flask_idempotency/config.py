@@ -163,6 +163,11 @@ def _duration(value: Any, key: str) -> timedelta:
     return timedelta(seconds=_positive_seconds(value, key))
 
 
+def _duration_or_none(value: Any, key: str) -> timedelta:
+    """A duration that may be 0 (the feature it bounds is off)."""
+    return timedelta(seconds=_seconds(value, key))
+
+
 def _choice(*choices: str) -> Converter:
     def convert(value: Any, key: str) -> str:
         if value not in choices:
@@ -380,6 +385,10 @@ class Settings:
     require_sync_replication: bool = option(False, _bool)
     #: completed responses kept per process to replay without a query (0: off)
     replay_cache_size: int = option(0, _int_at_least(0))
+    #: how long a completed key whose answer expired is still answered 409 ``key-expired``
+    #: (never run again), counted from its expiry (SPEC §24): the cleaner keeps a
+    #: tombstone of it that long. 0: none kept, an expired key runs again as a new request
+    tombstone_ttl: timedelta = option(30 * 24 * 3600, _duration_or_none)
     #: the keys' table, may be schema-qualified
     table: str = option("idempotency_keys", _table)
     #: where staged jobs wait for a dispatcher (docs: "Staged jobs")

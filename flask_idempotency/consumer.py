@@ -29,6 +29,7 @@ from .errors import (
     FingerprintMismatch,
     IdempotencyError,
     InvalidKey,
+    KeyExpired,
     OutcomeUnknown,
     RequestInProgress,
     StoreError,
@@ -172,6 +173,8 @@ def _replayed(tenant: str, key: str, outcome: ClaimOutcome, serializer: Serializ
         raise RequestInProgress(
             f"a delivery of {key!r} is running right now; leave the message to be redelivered"
         )
+    if decision is Decision.EXPIRED:
+        raise KeyExpired(f"{key!r} ran, and its stored result expired; it will not run again")
     raise OutcomeUnknown(
         f"the outcome of {key!r} is unknown (a run was interrupted); resolve it first"
     )

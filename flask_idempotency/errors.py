@@ -98,9 +98,12 @@ class ProblemError(IdempotencyError, HTTPException):
         retry_after_seconds: int | None = None,
         type_base: str = DEFAULT_PROBLEM_TYPE_BASE,
         error_format: str = "problem",
+        members: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
+        #: the problem's own extension members (RFC 9457 §3.2), JSON values
+        self.members = members or {}
         #: ``"problem"`` (RFC 9457) or ``"stripe"`` (``{"error": {...}}``)
         self.error_format = error_format
         if error_format == "stripe" and self.stripe_status is not None:
@@ -118,7 +121,7 @@ class ProblemError(IdempotencyError, HTTPException):
         """The problem object (RFC 9457) as JSON, or Stripe's error object."""
         if self.error_format == "stripe":
             error = {"type": self.stripe_type, "code": self.slug, "message": self.detail}
-            return json.dumps({"error": error})
+            return json.dumps({"error": {**error, **self.members}})
         body: dict[str, Any] = {
             "type": self.problem_type,
             "title": self.title,
@@ -130,6 +133,7 @@ class ProblemError(IdempotencyError, HTTPException):
         # an extension member (RFC 9457 §3.2): Stripe-Should-Retry, for clients that
         # read bodies rather than headers
         body["retryable"] = self.should_retry is True
+        body.update(self.members)
         return json.dumps(body)
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
@@ -205,6 +209,17 @@ class OutcomeUnknown(ProblemError, Conflict):
     slug = "outcome-unknown"
     title = "The outcome of the request with this idempotency key is unknown"
     should_retry = False
+
+
+class KeyExpired(ProblemError, Conflict):
+    """The key's first request completed and its answer expired (SPEC §24): it is never run
+    again under this key. Members: ``completed_at`` and ``expired_at`` (RFC 3339) and
+    ``first_status``, the first answer's status."""
+
+    slug = "key-expired"
+    title = "The answer of the request with this idempotency key has expired"
+    should_retry = False
+    stripe_type = "invalid_request_error"
 
 
 class KeyNotFound(ProblemError, NotFound):

@@ -35,6 +35,7 @@ DECISIONS = {
     "replayed": signals.replayed,
     "conflict": signals.conflict,
     "mismatch": signals.mismatch,
+    "expired": signals.expired,
     "stored": signals.stored,
     "released": signals.released,
     "store_unavailable": signals.store_unavailable,

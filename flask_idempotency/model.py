@@ -30,6 +30,7 @@ class Decision(str, enum.Enum):
     IN_PROGRESS = "in_progress"  #: a twin holds the key right now
     UNKNOWN = "unknown"  #: the key is in ``unknown``
     MARKED_UNKNOWN = "marked_unknown"  #: abandoned, and now marked ``unknown``
+    EXPIRED = "expired"  #: completed, and its answer expired: never run again (SPEC §24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,10 @@ class ClaimOutcome:
     #: a claim in flight whose owner lock was found free: that owner's id (the claim
     #: asks again a moment later, SPEC §20)
     free_owner: int | None = None
+    #: an expired key (SPEC §24): when its first answer completed, and that answer's status
+    #: (its expiry is :attr:`expires_at`)
+    completed_at: datetime | None = None
+    first_status: int | None = None
 
     def retry_after(self, least: int, cap: int) -> int:
         """Seconds a twin of a claim in flight is told to wait (``Retry-After``): about as

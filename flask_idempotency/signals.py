@@ -38,6 +38,11 @@ conflict = _signals.signal("idempotency-conflict")
 #: ``tenant``, ``key``.
 mismatch = _signals.signal("idempotency-mismatch")
 
+#: A completed key whose answer expired was asked again (SPEC §24): answered 409
+#: ``key-expired``, the view not run. Kwargs: ``tenant``, ``key``, ``claim_seconds``,
+#: ``attempt``.
+expired = _signals.signal("idempotency-expired")
+
 #: The view's response was stored for replay. Kwargs: ``tenant``, ``key``,
 #: ``attempt``, ``status``, ``stored`` (False when a newer attempt owned the key).
 stored = _signals.signal("idempotency-stored")

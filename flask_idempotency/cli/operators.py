@@ -84,8 +84,9 @@ def _names(names: list[str]) -> str:
 
 @click.command(
     "idempotency-clean",
-    help="Delete finished keys past their expiry and release claims abandoned for longer"
-    " than the lease plus a margin. Safe to run from cron on several hosts at once.",
+    help="Delete finished keys past their expiry (leaving a tombstone of each completed one"
+    " for IDEMPOTENCY_TOMBSTONE_TTL), remove tombstones past it, and release claims abandoned"
+    " for longer than the lease plus a margin. Safe to run from cron on several hosts at once.",
 )
 @click.option(
     "--batch-size",
@@ -123,7 +124,13 @@ def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float
     app = current_app._get_current_object()  # type: ignore[attr-defined]
 
     def clean() -> Batch:
-        deleted = _batches(lambda: maintenance.delete_expired(batch_size), batch_size)
+        deleted = buried = 0
+        while True:
+            cleaned = maintenance.delete_expired(batch_size)
+            deleted, buried = deleted + cleaned.deleted, buried + cleaned.tombstones
+            if cleaned.deleted < batch_size:
+                break
+        removed = _batches(lambda: maintenance.delete_tombstones(batch_size), batch_size)
         marked = unknown = 0
         while True:
             batch = maintenance.mark_abandoned(grace, default, batch_size)
@@ -134,8 +141,15 @@ def clean_command(batch_size: int, margin: float, dry_run: bool, interval: float
         return Batch(
             [],
             f"deleted {deleted} expired keys; marked {marked} abandoned claims"
-            f" ({_split(marked, unknown)})",
-            counts={"deleted": deleted, "marked": marked, "marked_unknown": unknown},
+            f" ({_split(marked, unknown)}); left {buried} tombstones, removed {removed}"
+            " past their TTL",
+            counts={
+                "deleted": deleted,
+                "marked": marked,
+                "marked_unknown": unknown,
+                "tombstones": buried,
+                "tombstones_removed": removed,
+            },
         )
 
     run_batches("idempotency-clean", interval, clean)

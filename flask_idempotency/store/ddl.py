@@ -41,6 +41,24 @@ CREATE TABLE IF NOT EXISTS {table} (
 ) WITH ({storage})
 """
 
+# What is left of a completed key once its answer expired (SPEC §24): the cleaner moves it
+# here when it removes the key, for IDEMPOTENCY_TOMBSTONE_TTL from expired_at (the key's
+# expires_at); a claim of a key without a row looks here. No body, no headers: the tenant,
+# the key, the fingerprint (another body still gets 422), the first answer's status, when
+# it completed and when it expired. Its own expiry index is the cleaner's.
+TOMBSTONES = """
+CREATE TABLE IF NOT EXISTS {tombstones} (
+    tenant text NOT NULL,
+    key text NOT NULL,
+    fingerprint bytea NOT NULL,
+    first_status smallint NOT NULL,
+    completed_at timestamptz NOT NULL,
+    expired_at timestamptz NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS {tombstones_index} ON {tombstones} (expired_at);
+"""
+
 #: the keys table's autovacuum settings. Every row expires, so a busy table is mostly
 #: rows on their way out: at PostgreSQL's default (a vacuum once 20 % of the rows are
 #: dead) the space the cleaner frees is reused only after a long wait, and a table of

@@ -150,8 +150,11 @@ class Execution:
         self._replication = Statement(REPLICATION)
 
     def render(self, query: str, **parts: sql.Composable) -> str:
-        """*query* with ``{table}`` (and any other *parts*) filled in."""
-        return sql.SQL(query).format(table=self.table, jobs=self.schema.jobs, **parts).as_string()
+        """*query* with ``{table}``, ``{jobs}``, ``{tombstones}`` (and any other *parts*)
+        filled in."""
+        schema = self.schema
+        names = {"table": self.table, "jobs": schema.jobs, "tombstones": schema.tombstones}
+        return sql.SQL(query).format(**names, **parts).as_string()
 
     def statement(self, query: str, **parts: sql.Composable) -> Statement:
         """*query*, rendered once, for :meth:`run` and :meth:`fetch`."""

@@ -29,6 +29,7 @@ from .records import (
 )
 from .sealing import refused
 from .statements_background import (
+    BURY_EXPIRED,
     COUNT_ABANDONED,
     COUNT_BACKLOG,
     COUNT_EXPIRED,
@@ -36,6 +37,7 @@ from .statements_background import (
     DEAD_OWNER,
     DEFERRED,
     DELETE_EXPIRED,
+    DELETE_TOMBSTONES,
     END_LEASE,
     LIST_EXHAUSTED,
     LIST_JOBS,
@@ -52,13 +54,22 @@ from .statements_citus import (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Buried:
+    """One batch of the cleaner's: the expired keys deleted, and the tombstones left."""
+
+    deleted: int
+    tombstones: int
+
+
 class Maintenance:
     """Runs the operators' statements on *store*."""
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         statement = store.statement
-        self._delete_expired = statement(DELETE_EXPIRED)
+        self._bury_expired = statement(BURY_EXPIRED)
+        self._delete_tombstones = statement(DELETE_TOMBSTONES)
         self._count_expired = statement(COUNT_EXPIRED)
         self._mark_abandoned = statement(MARK_ABANDONED, dead_owner=sql.SQL(DEAD_OWNER))
         self._owners_of_claims = statement(OWNERS_OF_CLAIMS)
@@ -78,10 +89,22 @@ class Maintenance:
             abandoned_without_row_locks(MARK_ABANDONED), dead_owner=sql.SQL(DEAD_OWNER)
         )
 
-    def delete_expired(self, batch_size: int) -> int:
-        """Delete one batch of finished keys past ``expires_at``; the number deleted."""
-        delete = self._citus_delete_expired if self.store.citus else self._delete_expired
-        return self.store.run(delete, {"batch": batch_size})[0]
+    def delete_expired(self, batch_size: int) -> Buried:
+        """Delete one batch of finished keys past ``expires_at``, leaving a tombstone of each
+        completed one (SPEC §24; none on Citus yet, nor with IDEMPOTENCY_TOMBSTONE_TTL = 0)."""
+        params = {"batch": batch_size, "tombstone_ttl": self.store.tombstone_seconds}
+        if self.store.citus:
+            return Buried(self.store.run(self._citus_delete_expired, params)[0], 0)
+        row = self.store.run(self._bury_expired, params)[1]
+        assert row is not None
+        return Buried(int(row[0]), int(row[1]))
+
+    def delete_tombstones(self, batch_size: int) -> int:
+        """Delete one batch of tombstones past ``IDEMPOTENCY_TOMBSTONE_TTL``; how many."""
+        if self.store.citus:  # none left there yet
+            return 0
+        params = {"batch": batch_size, "tombstone_ttl": self.store.tombstone_seconds}
+        return self.store.run(self._delete_tombstones, params)[0]
 
     def count_expired(self) -> int:
         """How many finished keys are past ``expires_at``."""

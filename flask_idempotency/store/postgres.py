@@ -151,6 +151,8 @@ class PostgresStore(Execution):
             for staging in (False, True)
         }
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
+        #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
+        self.tombstone_seconds = settings.tombstone_ttl.total_seconds()
         self._said_citus = False
 
     # -- Citus (SPEC §22) ------------------------------------------------------------
@@ -214,6 +216,7 @@ class PostgresStore(Execution):
             "lease": terms.lease.total_seconds(),
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": terms.on_abandoned,
+            "tombstone_ttl": self.tombstone_seconds,
             **self.owner_mark().params(),
             "gone_owner": gone_owner,
             **stored,
@@ -277,11 +280,11 @@ class PostgresStore(Execution):
         whose lock was granted (one task, in *pinned*'s transaction when there is one)."""
         claim = self._citus_claim if pinned is None else self._citus_claim_pinned
         _, row = self.run(claim, params, pinned)
-        if row is None or not row[15]:
+        if row is None or not row[16]:
             return row
         _, inserted = self.run(self._citus_claim_new, params, pinned)
         # no row inserted: a twin's row is there (it won the unique key): in progress
-        return (row[0], *(inserted or (None, None, None)), *row[4:15])
+        return (row[0], *(inserted or (None, None, None)), *row[4:16])
 
     def renew_while_held(
         self, tenant: str, key: str, outcome: ClaimOutcome | Any, lease: float

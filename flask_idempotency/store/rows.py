@@ -43,6 +43,14 @@ def claim_outcome(
             expires_in=float(expires_in),
             expires_at=expires_at,
         )
+    if decision is Decision.EXPIRED:
+        return ClaimOutcome(
+            decision,
+            attempt=seen_attempt or 0,
+            expires_at=row[11],
+            completed_at=row[15],
+            first_status=row[7],
+        )
     if decision is Decision.IN_PROGRESS:
         idle_for, lease_left, free_owner = row[12:15]
         return ClaimOutcome(

@@ -59,6 +59,7 @@ from .ddl import (
     SET_STORAGE,
     STORAGE,
     TABLE,
+    TOMBSTONES,
     UPGRADE_COLUMNS,
     UPGRADE_JOB_COLUMNS,
 )
@@ -173,6 +174,10 @@ class Schema:
         self.audit = sql.Identifier(*audit_parts)
         self.heartbeats = sql.Identifier(*heartbeats_parts)
         self._audit_index = f"{audit_parts[-1]}_key_idx"
+        #: what is left of the keys whose answer expired (SPEC §24), beside the keys table
+        tombstones_table = ".".join([*parts[:-1], f"{name}_tombstones"])
+        self.tombstones = sql.Identifier(*parts[:-1], f"{name}_tombstones")
+        self._tombstones_index = f"{name}_tombstones_expiry_idx"
         audit_prefix = _quoted(audit_parts[0]) + "." if len(audit_parts) == 2 else ""
         # to_regclass() parses its argument as SQL would: every part quoted
         self._regclass = {
@@ -183,6 +188,8 @@ class Schema:
             "audit": ".".join(map(_quoted, audit_parts)),
             "audit_index": audit_prefix + _quoted(self._audit_index),
             "heartbeats": ".".join(map(_quoted, heartbeats_parts)),
+            "tombstones": prefix + _quoted(f"{name}_tombstones"),
+            "tombstones_index": prefix + _quoted(self._tombstones_index),
             **{index: prefix + _quoted(index) for index in [*self.indexes, *self.retired]},
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
@@ -191,10 +198,10 @@ class Schema:
         self.upgraded: list[str] = []
         #: the tables the last :meth:`create` made (the others existed already)
         self.created: list[str] = []
-        #: every table of the extension: keys, jobs, audit, heartbeats
-        self.tables = (table, jobs_table, audit_table, heartbeats_table)
+        #: every table of the extension: keys, jobs, audit, heartbeats, tombstones
+        self.tables = (table, jobs_table, audit_table, heartbeats_table, tombstones_table)
         self._table_regclass = dict(
-            zip(self.tables, ("table", "jobs", "audit", "heartbeats"), strict=True)
+            zip(self.tables, ("table", "jobs", "audit", "heartbeats", "tombstones"), strict=True)
         )
         #: the upgrade of a table made by an earlier release, in order
         #: the to_regclass name of an earlier release's index of unknown keys: while it
@@ -210,6 +217,7 @@ class Schema:
             Step("jobs columns", self._lacks_job_columns, self._add_job_columns),
             Step("ordered jobs", self._lacks_job_seq, self._add_job_seq),
             Step("audit and heartbeats tables", self._lacks_console, self._create_console),
+            Step("tombstones table", self._lacks_tombstones, self._create_tombstones),
             Step("ordered jobs index", self._lacks_job_order, self._add_job_order, BUILD),
             Step("autovacuum settings", self._lacks_storage, self._set_storage, BUILD),
             *(
@@ -390,6 +398,7 @@ class Schema:
         if self._regclass["jobs"] in state.missing:
             self._create_jobs(conn)
         self._create_console(conn)
+        self._create_tombstones(conn)
         logger.info("created table %s and its indexes", self.name)
 
     @property
@@ -489,13 +498,14 @@ class Schema:
         with ``IDEMPOTENCY_COLOCATE_WITH`` (or in Citus's default group) and the other two
         with the keys; the heartbeats a reference table (SPEC §22)."""
         state = self.state(conn)
-        table, jobs, audit, heartbeats = (
-            self._regclass[part] for part in ("table", "jobs", "audit", "heartbeats")
+        table, jobs, audit, heartbeats, tombstones = (
+            self._regclass[part] for part in ("table", "jobs", "audit", "heartbeats", "tombstones")
         )
         colocate = {
             table: self.colocate_with or "default",
             jobs: self._regclass["table"],
             audit: self._regclass["table"],
+            tombstones: self._regclass["table"],
         }
         for name in self._undistributed(state):
             if name == heartbeats:
@@ -586,6 +596,26 @@ class Schema:
             conn.execute(audit, prepare=False)
             heartbeats = sql.SQL(HEARTBEATS_SCHEMA).format(heartbeats=self.heartbeats)
             conn.execute(heartbeats, prepare=False)
+
+    def _lacks_tombstones(self, state: SchemaState) -> bool:
+        names = ("tombstones", "tombstones_index")
+        return bool({self._regclass[name] for name in names} & state.missing)
+
+    def _create_tombstones(self, conn: psycopg.Connection[Any]) -> None:
+        # A new table: nothing waits on it (a claim of this release reads it once it
+        # exists; the step is SERVE, so it exists before this release serves).
+        with _unless_created_meanwhile(), conn.transaction():
+            tombstones = sql.SQL(TOMBSTONES).format(
+                tombstones=self.tombstones,
+                tombstones_index=sql.Identifier(self._tombstones_index),
+            )
+            conn.execute(tombstones, prepare=False)
+            # on Citus, co-located with the keys at once if they are distributed already (an
+            # upgrade); else the step that distributes the keys does it
+            if self._regclass["table"] in self.state(conn).distributed:
+                regclass = self._regclass["tombstones"]
+                with_keys = {"table": regclass, "with": self._regclass["table"]}
+                conn.execute(DISTRIBUTE, with_keys, prepare=False)
 
     def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
         return lambda state: self._regclass[index] in state.missing or index in state.invalid

@@ -234,6 +234,46 @@ DELETE FROM {table} AS k USING doomed
 WHERE k.tenant = doomed.tenant AND k.key = doomed.key
 """
 
+# The cleaner's batch on one PostgreSQL (SPEC §24): DELETE_EXPIRED, with a tombstone left
+# of each completed key whose answer expired less than the tombstones' TTL ago (a key
+# already past that leaves none), in the same statement: a claim sees the key's row or its
+# tombstone, never neither. A tombstone of the same key left earlier (the key was used
+# afresh once its tombstone's TTL ended, and expired again) is replaced. The deleted rows
+# and the tombstones left.
+BURY_EXPIRED = """
+WITH doomed AS (
+    SELECT tenant, key FROM {table}
+    WHERE status IN ('completed', 'retryable') AND expires_at <= now()
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+), deleted AS (
+    DELETE FROM {table} AS k USING doomed
+    WHERE k.tenant = doomed.tenant AND k.key = doomed.key
+    RETURNING k.tenant, k.key, k.fingerprint, k.status, k.response_status, k.updated_at,
+              k.expires_at
+), buried AS (
+    INSERT INTO {tombstones} AS t
+        (tenant, key, fingerprint, first_status, completed_at, expired_at)
+    SELECT tenant, key, fingerprint, response_status, updated_at, expires_at FROM deleted
+    WHERE status = 'completed' AND response_status IS NOT NULL
+      AND expires_at > now() - make_interval(secs => %(tombstone_ttl)s)
+    ON CONFLICT (tenant, key) DO UPDATE SET
+        fingerprint = excluded.fingerprint, first_status = excluded.first_status,
+        completed_at = excluded.completed_at, expired_at = excluded.expired_at
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM buried)
+"""
+
+# The tombstones past their TTL, a batch at a time (their own expiry index).
+DELETE_TOMBSTONES = """
+DELETE FROM {tombstones} AS t USING (
+    SELECT tenant, key FROM {tombstones}
+    WHERE expired_at <= now() - make_interval(secs => %(tombstone_ttl)s)
+    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+) AS past
+WHERE t.tenant = past.tenant AND t.key = past.key
+"""
+
 COUNT_EXPIRED = """
 SELECT count(*) FROM {table}
 WHERE status IN ('completed', 'retryable') AND expires_at <= now()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 
 from .statements_background import DELETE_JOBS, DUE_JOBS, FAIL_JOBS, TAKE_OVER, UNRESERVE
-from .statements_request import FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
+from .statements_request import EXPIRY, FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
 
 __all__ = [
     "CLAIM",
@@ -58,8 +58,10 @@ CLAIM = (
     """
 WITH seen AS (
     SELECT status, fingerprint, attempt, generation, on_abandoned,
-           locked_until <= now() AS lease_over,
-           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           locked_until <= now() AS lease_over, updated_at,
+           """
+    + EXPIRY
+    + """,
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
            response_status, response_headers, response_body,
            extract(epoch FROM now() - updated_at) AS idle_for,
@@ -122,6 +124,7 @@ SELECT intent.decision, taken.attempt, taken.generation, taken.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
        seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
        seen.expires_at, seen.idle_for, seen.lease_left, NULL::bigint AS free_owner,
+       seen.updated_at,
        coalesce(lock.granted AND intent.decision = 'claimed' AND seen.status IS NULL, false)
            AS insert_new
 FROM intent

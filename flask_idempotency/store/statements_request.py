@@ -18,23 +18,36 @@ from .owner import OWNED, lock_free
 # and changes no indexed column: a HOT update (see FINISH).
 FINISH_GRACE_SECONDS = 2
 
+# When a key's row is past its life (SPEC §24), as the claims' ``seen`` reads it (here and
+# on Citus): ``expired``, a key used afresh (a retryable key past its expiry; a completed
+# one past its expiry and the tombstones' TTL after it, %(tombstone_ttl)s seconds), and
+# ``gone``, a completed key past its expiry: answered 409 key-expired, never run again.
+EXPIRY = """status = 'retryable' AND expires_at <= now()
+               OR status = 'completed'
+                  AND expires_at <= now() - make_interval(secs => %(tombstone_ttl)s)
+               AS expired,
+           status = 'completed' AND expires_at <= now() AS gone"""
+
 # The decisions that a claim in flight has no part in, first in the claim's CASE (here and
 # on Citus, statements_citus.CLAIM): a new or expired key is claimed, another payload is a
-# mismatch, a settled key is replayed, taken over or unknown.
+# mismatch, a completed key past its expiry is expired, a settled key is replayed, taken
+# over or unknown.
 SETTLED_DECISIONS = """        WHEN seen.status IS NULL OR seen.expired THEN 'claimed'
         WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.gone THEN 'expired'
         WHEN seen.status = 'completed' THEN 'replay'
         WHEN seen.status = 'retryable' THEN 'taken_over'
         WHEN seen.status = 'unknown' THEN 'unknown'
 """
 
 # A claim's first look (SPEC §20 unchanged): what a key that was never used, or one that is
-# settled, needs, at the least a statement can do. A key without a row is inserted under
-# its advisory lock by a plain INSERT (no speculative insertion: no ON CONFLICT and its
-# confirmation record, 48 bytes of WAL per new key); a completed key with this fingerprint
-# is replayed, another fingerprint is a mismatch, both decided exactly as CLAIM's
-# SETTLED_DECISIONS would (a key past its expiry is CLAIM's). Anything else (a claim in
-# flight, a retryable, unknown or expired key, a lock a twin holds) answers no decision,
+# settled, needs, at the least a statement can do. A key without a row (nor a tombstone
+# in its TTL, SPEC §24) is inserted under its advisory lock by a plain INSERT (no
+# speculative insertion: no ON CONFLICT and its confirmation record, 48 bytes of WAL per
+# new key); a completed key with this fingerprint is replayed, another fingerprint is a
+# mismatch, a completed key past its expiry (or a tombstone) is expired, each decided as
+# CLAIM's SETTLED_DECISIONS would. Anything else (a claim in flight, a retryable or unknown
+# key, a key to be used afresh after its expiry, a lock a twin holds) answers no decision,
 # and the caller sends CLAIM. Its row has CLAIM's columns. A twin whose row committed
 # between this statement's snapshot and its INSERT makes it fail with a unique violation
 # (nothing written): the caller sends CLAIM, which sees that row. The lock is asked only
@@ -43,9 +56,15 @@ CLAIM_FIRST = (
     """
 WITH seen AS (
     SELECT status, fingerprint, attempt, response_status, response_headers, response_body,
-           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
-           extract(epoch FROM expires_at - now()) AS expires_in, expires_at
+           extract(epoch FROM expires_at - now()) AS expires_in, expires_at, updated_at,
+           """
+    + EXPIRY
+    + """
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), buried AS (
+    SELECT fingerprint, first_status, completed_at, expired_at FROM {tombstones}
+    WHERE tenant = %(tenant)s AND key = %(key)s
+      AND expired_at > now() - make_interval(secs => %(tombstone_ttl)s)
 ), claimed AS (
     INSERT INTO {table}
         (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
@@ -59,18 +78,23 @@ WITH seen AS (
            %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
            %(owner)s::bigint, now.us + 1, %(owner_host)s::text, %(owner_pid)s::integer
     FROM (SELECT (extract(epoch FROM now()) * 1000000)::bigint AS us) AS now
-    WHERE CASE WHEN EXISTS (SELECT FROM seen) THEN false
+    WHERE CASE WHEN EXISTS (SELECT FROM seen) OR EXISTS (SELECT FROM buried) THEN false
                ELSE pg_try_advisory_xact_lock(%(lock_id)s::bigint) END
     RETURNING attempt, generation, recovery_point
 )
 SELECT CASE WHEN claimed.attempt IS NOT NULL THEN 'claimed'
             WHEN seen.expired THEN NULL
-            WHEN seen.fingerprint <> %(fingerprint)s THEN 'mismatch'
+            WHEN coalesce(seen.fingerprint, buried.fingerprint) <> %(fingerprint)s
+                THEN 'mismatch'
+            WHEN seen.gone OR buried.fingerprint IS NOT NULL THEN 'expired'
             WHEN seen.status = 'completed' THEN 'replay' END,
        claimed.attempt, claimed.generation, claimed.recovery_point, 0, seen.status,
-       seen.attempt, seen.response_status, seen.response_headers, seen.response_body,
-       seen.expires_in, seen.expires_at, NULL::float8, NULL::float8, NULL::bigint
-FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN claimed ON true{commit_mode}
+       seen.attempt, coalesce(seen.response_status, buried.first_status),
+       seen.response_headers, seen.response_body, seen.expires_in,
+       coalesce(seen.expires_at, buried.expired_at), NULL::float8, NULL::float8, NULL::bigint,
+       coalesce(seen.updated_at, buried.completed_at)
+FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN buried ON true
+LEFT JOIN claimed ON true{commit_mode}
 """
 )
 
@@ -83,8 +107,10 @@ CLAIM = (
     """
 WITH seen AS (
     SELECT status, fingerprint, attempt, generation, recovery_point, on_abandoned,
-           locked_until <= now() AS lease_over,
-           status IN ('completed', 'retryable') AND expires_at <= now() AS expired,
+           locked_until <= now() AS lease_over, updated_at,
+           """
+    + EXPIRY
+    + """,
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
            response_status, response_headers, response_body,
            extract(epoch FROM now() - updated_at) AS idle_for,
@@ -179,7 +205,8 @@ SELECT intent.decision, claimed.attempt, claimed.generation, claimed.recovery_po
        seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
        seen.expires_at, seen.idle_for, seen.lease_left,
        CASE WHEN intent.decision = 'in_progress' AND owner.free
-                 AND %(gone_owner)s::bigint IS NULL THEN seen.owner_id END AS free_owner
+                 AND %(gone_owner)s::bigint IS NULL THEN seen.owner_id END AS free_owner,
+       seen.updated_at
 FROM intent
 LEFT JOIN owner ON true
 LEFT JOIN claimed ON true

@@ -616,6 +616,7 @@ def test_the_request_paths_plans_are_one_task(
         "owner_host": "h",
         "owner_pid": 1,
         "gone_owner": None,
+        "tombstone_ttl": 30 * 24 * 3600.0,
     }
     fence = {**key, "attempt": 1, "generation": 1}
     response = {"response_status": 201, "response_headers": None, "response_body": b"{}"}

@@ -26,7 +26,10 @@ def test_init_creates_the_table_once(make_app: Callable[..., Flask], db: DB) -> 
         assert shared in first.output, first.output
     again = runner.invoke(args=["idempotency-init"])
     assert again.exit_code == 0 and "already exists" in again.output
-    assert "idempotency_jobs, idempotency_audit and idempotency_heartbeats" in again.output
+    listed = (
+        "idempotency_jobs, idempotency_audit, idempotency_heartbeats and cli_init_keys_tombstones"
+    )
+    assert listed in again.output
     assert db.execute("SELECT to_regclass('cli_init_keys') IS NOT NULL").fetchone() == (True,)
 
 

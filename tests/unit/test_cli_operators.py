@@ -115,7 +115,18 @@ def test_background_commands_write_heartbeats(console: Console) -> None:
         "SELECT command, pid > 0, interval_seconds, counts FROM console_heartbeats ORDER BY command"
     ).fetchall()
     assert beats == [
-        ("clean", True, None, {"deleted": 0, "marked": 0, "marked_unknown": 0}),
+        (
+            "clean",
+            True,
+            None,
+            {
+                "deleted": 0,
+                "marked": 0,
+                "marked_unknown": 0,
+                "tombstones": 0,
+                "tombstones_removed": 0,
+            },
+        ),
         ("complete", True, None, {"due": 0}),
         ("dispatch", True, None, {"due": 1, "dispatched": 1}),
         ("reconcile", True, None, {"due": 1, "undecided": 1}),

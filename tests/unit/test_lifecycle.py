@@ -268,8 +268,12 @@ def test_waiting_twins_do_not_starve_the_pool(
     assert executions(db, key) == 1
 
 
-def test_expired_key_is_used_afresh(make_app: Callable[..., Flask], key: str, db: DB) -> None:
-    app = make_app(IDEMPOTENCY_TTL=0.2)
+def test_expired_key_is_used_afresh_without_tombstones(
+    make_app: Callable[..., Flask], key: str, db: DB
+) -> None:
+    """IDEMPOTENCY_TOMBSTONE_TTL = 0: an expired key runs again, as a new request (the
+    behaviour before SPEC §24, and its risk: tests/unit/test_expired_keys.py)."""
+    app = make_app(IDEMPOTENCY_TTL=0.2, IDEMPOTENCY_TOMBSTONE_TTL=0)
     client = app.test_client()
     first = post(client, "/payments", key)
     wait_until(key_expired(db, key))
@@ -300,7 +304,9 @@ def test_replay_cache_answers_without_a_query(
 def test_replay_cache_entries_expire_with_the_key(
     make_app: Callable[..., Flask], key: str, db: DB
 ) -> None:
-    app = make_app(IDEMPOTENCY_REPLAY_CACHE_SIZE=100, IDEMPOTENCY_TTL=0.3)
+    app = make_app(
+        IDEMPOTENCY_REPLAY_CACHE_SIZE=100, IDEMPOTENCY_TTL=0.3, IDEMPOTENCY_TOMBSTONE_TTL=0
+    )
     client = app.test_client()
     post(client, "/payments", key)
     assert post(client, "/payments", key).headers["Idempotent-Replayed"] == "true"

@@ -102,9 +102,10 @@ def test_the_app_needs_only_dml_on_the_table(
     assert init.exit_code == 0 and init.output.startswith("created table"), init.output
     audit = sql.Identifier(role.schema, "idempotency_audit")
     heartbeats = sql.Identifier(role.schema, "idempotency_heartbeats")
+    tombstones = sql.Identifier(role.schema, "idempotency_keys_tombstones")
     db.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {}, {}, {} TO {}").format(
-            table, jobs_table, audit, heartbeats, name
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {}, {}, {}, {} TO {}").format(
+            table, jobs_table, audit, heartbeats, tombstones, name
         )
     )
     # The test app's own tables that its transactional and phased views write on the
@@ -176,11 +177,13 @@ def test_the_app_needs_only_dml_on_the_table(
     assert twin_result["twin"].data == results["first"].data
     assert time.monotonic() - started < 5, "woken by NOTIFY, not by the 10 s wait running out"
 
-    # The CLI: the cleaner deletes an expired key (SELECT ... FOR UPDATE, DELETE) as the role.
+    # The CLI: the cleaner deletes an expired key (SELECT ... FOR UPDATE, DELETE) as the role,
+    # and leaves its tombstone (INSERT).
     db.execute(
         sql.SQL(
-            "INSERT INTO {} (tenant, key, fingerprint, status, generation, expires_at)"
-            " VALUES ('', %s, '\\x00', 'completed', 1, now() - interval '1 s')"
+            "INSERT INTO {} (tenant, key, fingerprint, status, generation, expires_at,"
+            " response_status) VALUES ('', %s, '\\x00', 'completed', 1, now() - interval '1 s',"
+            " 201)"
         ).format(table),
         (key + "-expired",),
     )
@@ -192,7 +195,9 @@ def test_the_app_needs_only_dml_on_the_table(
     assert listed.exit_code == 0 and key in listed.output, listed.output
     # Its heartbeat, and an audited change (the audit's identity column needs no grant).
     beat = db.execute(sql.SQL("SELECT command, counts FROM {}").format(heartbeats)).fetchall()
-    assert beat == [("clean", {"deleted": 1, "marked": 0, "marked_unknown": 0})]
+    counts = {"deleted": 1, "marked": 0, "marked_unknown": 0}
+    tombstones_counts = {"tombstones": 1, "tombstones_removed": 0}
+    assert beat == [("clean", {**counts, **tombstones_counts})]
     resolved = runner.invoke(args=["idempotency-resolve", key, "--as", "retryable"])
     assert resolved.exit_code == 1 and "no key" in resolved.output  # completed: refused
     db.execute(

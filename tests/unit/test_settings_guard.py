@@ -54,6 +54,12 @@ def fresh_app(database_url: str, closing: Callable[[Flask], Flask]) -> Callable[
         ("IDEMPOTENCY_STATEMENT_TIMEOUT", "nan"),
         ("IDEMPOTENCY_LEASE", "-inf"),
         ("IDEMPOTENCY_LEASE", "1e400"),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", "nan"),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", float("inf")),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", -1),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", "30 days"),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", "\x00"),
+        ("IDEMPOTENCY_TOMBSTONE_TTL", True),
     ],
 )
 def test_impossible_durations_are_config_errors(
