@@ -55,6 +55,14 @@ _UNKNOWN = Answer(
     " a new key once you have checked whether it took effect.",
 )
 
+#: the detail of a ``key-expired`` answer to a request whose key has nothing left and that
+#: its client first sent longer ago than the key's time to live (Repeatability-First-Sent)
+STALE_DETAIL = (
+    "This request was first sent longer ago than its key is kept, and nothing is left of the"
+    " key: whether it ran is unknown, so it is not run now. Check whether it took effect"
+    " before you send it under a new key."
+)
+
 ANSWERS: dict[Decision, Answer] = {
     Decision.CLAIMED: Answer(logging.DEBUG),
     Decision.TAKEN_OVER: Answer(logging.INFO),
@@ -117,6 +125,8 @@ def answer(
             wait = outcome.retry_after(settings.retry_after, RETRY_AFTER_CAP)
             if settings.in_progress_status == 202:
                 return accepted(settings, detail, wait=wait)
+        if outcome.decision is Decision.EXPIRED and outcome.completed_at is None:
+            detail = STALE_DETAIL
         problem = settings.problem(row.problem, detail, retry_after=row.retry_after, wait=wait)
         if outcome.decision is Decision.EXPIRED:
             problem.members.update(expired_members(outcome))
@@ -159,8 +169,10 @@ def decision_signals(
 
 def expired_members(outcome: ClaimOutcome) -> dict[str, Any]:
     """The members of a ``key-expired`` problem: when the key's first answer completed and
-    expired (RFC 3339), and its status."""
-    assert outcome.completed_at is not None and outcome.expires_at is not None
+    expired (RFC 3339), and its status; none for a request first sent longer ago than the
+    TTL whose key has nothing left (what became of it is unknown, SPEC §24)."""
+    if outcome.completed_at is None or outcome.expires_at is None:
+        return {}
     return {
         "completed_at": outcome.completed_at.isoformat(),
         "expired_at": outcome.expires_at.isoformat(),

@@ -15,10 +15,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import NoReturn
 
 from flask import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.http import parse_date
 
 from . import signals, tracing
 from .answers import answer
@@ -47,6 +49,10 @@ from .stored_request import StoredRequest, capture
 
 logger = logging.getLogger("flask_idempotency")
 
+#: the request header in which a client says when it first sent the request (OASIS
+#: Repeatable Requests 1.0): one older than the TTL whose key has nothing left is expired
+FIRST_SENT_HEADER = "Repeatability-First-Sent"
+
 TenantLoader = Callable[[], str]
 
 
@@ -59,6 +65,12 @@ class Identity:
     fingerprint: bytes
     #: what a ``complete=True`` route stores with its claim
     request: StoredRequest | None = None
+    #: when the client first sent this request (``Repeatability-First-Sent``), if it said
+    first_sent: datetime | None = None
+
+    def stale(self, ttl: timedelta) -> bool:
+        """The client first sent this request longer ago than *ttl* (SPEC §24)."""
+        return self.first_sent is not None and self.first_sent < datetime.now(timezone.utc) - ttl
 
     @property
     def lock_id(self) -> int:
@@ -157,7 +169,15 @@ def identify(
     if request.query_string:
         path += "?" + request.query_string.decode("latin-1")
     stored = capture(settings, body) if settings.complete else None
-    return Identity(tenant, key, _fingerprint(settings, path, body), stored)
+    fingerprint = _fingerprint(settings, path, body)
+    return Identity(tenant, key, fingerprint, stored, _first_sent())
+
+
+def _first_sent() -> datetime | None:
+    """``Repeatability-First-Sent`` (OASIS Repeatable Requests 1.0), an HTTP-date; None when
+    absent or not a date (then the request is judged as if it had not said)."""
+    value = request.headers.get(FIRST_SENT_HEADER)
+    return None if value is None else parse_date(value)
 
 
 def _key(settings: RouteSettings) -> str | None:
@@ -289,10 +309,11 @@ def _claim(
     """One claim statement; on a pinned connection for a transactional view."""
     store = state.store
     args = (identity.tenant, identity.key, identity.fingerprint, settings, identity.request)
+    stale = identity.stale(settings.ttl)
     if transactional:
-        pinned = store.claim_pinned(*args)
+        pinned = store.claim_pinned(*args, stale=stale)
         return Claim(pinned.outcome, pinned.held)
-    return Claim(store.claim(*args))
+    return Claim(store.claim(*args, stale=stale))
 
 
 def _wait_for_twin(

@@ -195,9 +195,13 @@ class PostgresStore(Execution):
         request: StoredRequest | None = None,
         pinned: HeldTransaction | None = None,
         gone_owner: int | None = None,
+        *,
+        stale: bool = False,
     ) -> ClaimOutcome:
         """Decide what this request does with *key*, and claim it if the view must run,
-        under the lease, TTL and abandoned-claim policy of *terms*.
+        under the lease, TTL and abandoned-claim policy of *terms*. A *stale* request (its
+        client first sent it longer ago than the TTL: ``Repeatability-First-Sent``) whose
+        key has no row is expired, never claimed (SPEC §24).
 
         With *pinned*, the claim joins that connection's open transaction: its lock
         and row last until that transaction ends (:class:`HeldTransaction`). A claim in
@@ -217,6 +221,7 @@ class PostgresStore(Execution):
             "ttl": terms.ttl.total_seconds(),
             "on_abandoned": terms.on_abandoned,
             "tombstone_ttl": self.tombstone_seconds,
+            "stale": stale,
             **self.owner_mark().params(),
             "gone_owner": gone_owner,
             **stored,
@@ -304,18 +309,25 @@ class PostgresStore(Execution):
             owner.let_go(_fence(tenant, key, outcome))
 
     def claim_pinned(
-        self, tenant: str, key: str, fingerprint: bytes, terms: RouteSettings, request: Any = None
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        terms: RouteSettings,
+        request: Any = None,
+        *,
+        stale: bool = False,
     ) -> PinnedClaim:
         """Claim on a connection held for a transactional view; the transaction is
         returned only when this request owns the key (else it ends at once)."""
         self.replication.ensure()
         args = (tenant, key, fingerprint, terms, request)
         try:
-            return self._claim_pinned(*args)
+            return self._claim_pinned(*args, stale=stale)
         except StoreError as exc:
             if not (self._recoverable(exc.__cause__) or raced(exc)):
                 raise
-        return self._claim_pinned(*args)
+        return self._claim_pinned(*args, stale=stale)
 
     def _claim_pinned(
         self,
@@ -325,10 +337,14 @@ class PostgresStore(Execution):
         terms: RouteSettings,
         request: Any,
         gone_owner: int | None = None,
+        *,
+        stale: bool = False,
     ) -> PinnedClaim:
         held = self.hold()
         try:
-            outcome = self.claim(tenant, key, fingerprint, terms, request, held, gone_owner)
+            outcome = self.claim(
+                tenant, key, fingerprint, terms, request, held, gone_owner, stale=stale
+            )
         except BaseException:
             held.roll_back()
             raise

@@ -43,7 +43,7 @@ def claim_outcome(
             expires_in=float(expires_in),
             expires_at=expires_at,
         )
-    if decision is Decision.EXPIRED:
+    if decision is Decision.EXPIRED:  # from a row or a tombstone; else a stale request's
         return ClaimOutcome(
             decision,
             attempt=seen_attempt or 0,

@@ -51,7 +51,10 @@ SETTLED_DECISIONS = """        WHEN seen.status IS NULL OR seen.expired THEN 'cl
 # and the caller sends CLAIM. Its row has CLAIM's columns. A twin whose row committed
 # between this statement's snapshot and its INSERT makes it fail with a unique violation
 # (nothing written): the caller sends CLAIM, which sees that row. The lock is asked only
-# when the row is absent (CASE: evaluated in order, whatever the planner prefers).
+# when the row is absent (CASE: evaluated in order, whatever the planner prefers). A request
+# %(stale)s (its client first sent it longer ago than the TTL: Repeatability-First-Sent)
+# whose key has neither row nor tombstone is expired too, never inserted: past the
+# tombstones' horizon nothing says it did not run.
 CLAIM_FIRST = (
     """
 WITH seen AS (
@@ -78,7 +81,8 @@ WITH seen AS (
            %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
            %(owner)s::bigint, now.us + 1, %(owner_host)s::text, %(owner_pid)s::integer
     FROM (SELECT (extract(epoch FROM now()) * 1000000)::bigint AS us) AS now
-    WHERE CASE WHEN EXISTS (SELECT FROM seen) OR EXISTS (SELECT FROM buried) THEN false
+    WHERE CASE WHEN EXISTS (SELECT FROM seen) OR EXISTS (SELECT FROM buried)
+                    OR %(stale)s THEN false
                ELSE pg_try_advisory_xact_lock(%(lock_id)s::bigint) END
     RETURNING attempt, generation, recovery_point
 )
@@ -87,7 +91,8 @@ SELECT CASE WHEN claimed.attempt IS NOT NULL THEN 'claimed'
             WHEN coalesce(seen.fingerprint, buried.fingerprint) <> %(fingerprint)s
                 THEN 'mismatch'
             WHEN seen.gone OR buried.fingerprint IS NOT NULL THEN 'expired'
-            WHEN seen.status = 'completed' THEN 'replay' END,
+            WHEN seen.status = 'completed' THEN 'replay'
+            WHEN seen.status IS NULL AND %(stale)s THEN 'expired' END,
        claimed.attempt, claimed.generation, claimed.recovery_point, 0, seen.status,
        seen.attempt, coalesce(seen.response_status, buried.first_status),
        seen.response_headers, seen.response_body, seen.expires_in,

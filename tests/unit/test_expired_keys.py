@@ -9,8 +9,10 @@ would do, without a wait (its route's TTL is a day).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
+from email.utils import format_datetime
 from typing import Any
 
 import pytest
@@ -166,3 +168,81 @@ def test_the_expired_signal_is_sent(make_app: Callable[..., Flask], db: DB, key:
     with signals.expired.connected_to(receive, app):
         expired_answer(app, key)
     assert [h["key"] for h in heard] == [key]
+
+
+# -- Repeatability-First-Sent (OASIS Repeatable Requests 1.0) -------------------------------
+
+
+def first_sent(seconds_ago: float) -> str:
+    return format_datetime(
+        datetime.fromtimestamp(time.time() - seconds_ago, tz=timezone.utc), usegmt=True
+    )
+
+
+def test_a_request_first_sent_longer_ago_than_the_ttl_is_refused_not_run(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    """Its key has no row and no tombstone: past the tombstones' horizon nothing says the
+    request did not run, so it is refused rather than run as new."""
+    app = make_app(IDEMPOTENCY_TTL=3600)
+    sent = {"Repeatability_First_Sent": first_sent(7200)}
+    answer = post(app.test_client(), "/payments", key, **sent)
+    body = problem(answer, 409, "key-expired")
+    assert "completed_at" not in body and answer.headers["Stripe-Should-Retry"] == "false"
+    assert "first sent longer ago" in body["detail"]
+    assert executions(db, key) == 0
+    assert db.execute("SELECT 1 FROM idempotency_keys WHERE key = %s", [key]).fetchone() is None
+    problem(post(app.test_client(), "/ledger", key, **sent), 409, "key-expired")
+
+
+def test_a_request_first_sent_within_the_ttl_runs_and_a_stored_answer_wins(
+    make_app: Callable[..., Flask], db: DB, key: str
+) -> None:
+    app = make_app(IDEMPOTENCY_TTL=3600)
+    first = post(app.test_client(), "/payments", key, Repeatability_First_Sent=first_sent(60))
+    assert first.status_code == 201
+    # the stored answer is replayed whatever the client says of its first sending
+    again = post(app.test_client(), "/payments", key, Repeatability_First_Sent=first_sent(1e6))
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert executions(db, key) == 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "yesterday",
+        "\udcff",
+        "9" * 40,
+        "Mon, 31 Feb 2026 25:61:61 GMT",
+        "Sun, 06 Nov 99999 08:49:37 GMT",
+        "x" * 100_000,
+        "NaN",
+    ],
+    ids=lambda v: repr(v)[:24],
+)
+def test_a_first_sent_that_is_no_date_is_ignored(
+    make_app: Callable[..., Flask], db: DB, key: str, value: str
+) -> None:
+    app = make_app()
+    headers = {"Repeatability-First-Sent": value}
+    answer = app.test_client().post(
+        "/payments", json={"amount": 100}, headers={"Idempotency-Key": key, **headers}
+    )
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert executions(db, key) == 1
+
+
+@pytest.mark.parametrize(
+    "value", ["Sun, 06 Nov 1994 08:49:37", "Sun, 06 Nov 1994 08:49:37 GMT\x00"]
+)
+def test_an_old_date_that_werkzeug_reads_leniently_is_still_old(
+    make_app: Callable[..., Flask], db: DB, key: str, value: str
+) -> None:
+    """A date without a zone is read as UTC (werkzeug.http.parse_date), a trailing NUL is
+    dropped: 1994 is longer ago than the TTL."""
+    app = make_app()
+    headers = {"Idempotency-Key": key, "Repeatability-First-Sent": value}
+    answer = app.test_client().post("/payments", json={"amount": 100}, headers=headers)
+    problem(answer, 409, "key-expired")
+    assert executions(db, key) == 0
