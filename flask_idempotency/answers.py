@@ -55,6 +55,15 @@ _UNKNOWN = Answer(
     " a new key once you have checked whether it took effect.",
 )
 
+#: the ``operation_state`` of a key in each status (SPEC §24), as a 422 tells it (no status:
+#: the key's tombstone)
+OPERATION_STATES = {
+    KeyStatus.PROCESSING: "processing",
+    KeyStatus.COMPLETED: "completed",
+    KeyStatus.RETRYABLE: "abandoned",
+    KeyStatus.UNKNOWN: "unknown",
+}
+
 #: the detail of a ``key-expired`` answer to a request whose key has nothing left and that
 #: its client first sent longer ago than the key's time to live (Repeatability-First-Sent)
 STALE_DETAIL = (
@@ -125,11 +134,17 @@ def answer(
             wait = outcome.retry_after(settings.retry_after, RETRY_AFTER_CAP)
             if settings.in_progress_status == 202:
                 return accepted(settings, detail, wait=wait)
-        if outcome.decision is Decision.EXPIRED and outcome.completed_at is None:
-            detail = STALE_DETAIL
-        problem = settings.problem(row.problem, detail, retry_after=row.retry_after, wait=wait)
+        stale = outcome.decision is Decision.EXPIRED and outcome.completed_at is None
+        problem = settings.problem(
+            row.problem, STALE_DETAIL if stale else detail, retry_after=row.retry_after, wait=wait
+        )
         if outcome.decision is Decision.EXPIRED:
             problem.members.update(expired_members(outcome))
+        if stale:  # past the tombstones' horizon: nobody knows
+            problem.operation_state = "unknown"
+        if outcome.decision is Decision.MISMATCH:
+            previous = outcome.previous_status
+            problem.operation_state = "expired" if previous is None else OPERATION_STATES[previous]
         raise problem
     if outcome.response is not None:
         return replay(outcome.response, settings, outcome.expires_at)

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from datetime import datetime, timedelta
 
-from .model import ClaimOutcome, Decision, StoredResponse
+from .model import ClaimOutcome, Decision, KeyStatus, StoredResponse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,9 @@ class ReplayCache:
         if hit is None:
             return None
         if hit.fingerprint != fingerprint:
-            return ClaimOutcome(Decision.MISMATCH, attempt=hit.attempt)
+            return ClaimOutcome(
+                Decision.MISMATCH, attempt=hit.attempt, previous_status=KeyStatus.COMPLETED
+            )
         return ClaimOutcome(
             Decision.REPLAY, attempt=hit.attempt, response=hit.response, expires_at=hit.expires_at
         )

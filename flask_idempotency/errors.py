@@ -90,6 +90,13 @@ class ProblemError(IdempotencyError, HTTPException):
     stripe_type = "idempotency_error"
     #: the status Stripe answers with, where it differs from ours
     stripe_status: int | None = None
+    #: what became of the key's operation, as this problem answers it (SPEC §24): ``none``
+    #: (no claim exists), ``processing``, ``completed``, ``released``, ``abandoned``,
+    #: ``unknown`` or ``expired``; sent as the member ``operation_state``
+    operation_state = "none"
+    #: no effect of this key can have happened, so the client may send the request again
+    #: under a new key; sent as the member ``safe_new_key``
+    safe_new_key = True
 
     def __init__(
         self,
@@ -121,7 +128,7 @@ class ProblemError(IdempotencyError, HTTPException):
         """The problem object (RFC 9457) as JSON, or Stripe's error object."""
         if self.error_format == "stripe":
             error = {"type": self.stripe_type, "code": self.slug, "message": self.detail}
-            return json.dumps({"error": {**error, **self.members}})
+            return json.dumps({"error": {**error, **self.state_members(), **self.members}})
         body: dict[str, Any] = {
             "type": self.problem_type,
             "title": self.title,
@@ -133,8 +140,14 @@ class ProblemError(IdempotencyError, HTTPException):
         # an extension member (RFC 9457 §3.2): Stripe-Should-Retry, for clients that
         # read bodies rather than headers
         body["retryable"] = self.should_retry is True
+        body.update(self.state_members())
         body.update(self.members)
         return json.dumps(body)
+
+    def state_members(self) -> dict[str, Any]:
+        """``operation_state`` and ``safe_new_key`` (SPEC §24): what became of the key's
+        operation, and whether the request may be sent again under a new key."""
+        return {"operation_state": self.operation_state, "safe_new_key": self.safe_new_key}
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
         """The media type, ``Retry-After`` and ``Stripe-Should-Retry`` where they apply."""
@@ -192,6 +205,7 @@ class FingerprintMismatch(ProblemError, UnprocessableEntity):
     title = "Idempotency key reused for a different request"
     should_retry = False
     stripe_status = 400
+    operation_state = "completed"
 
 
 class RequestInProgress(ProblemError, Conflict):
@@ -200,6 +214,8 @@ class RequestInProgress(ProblemError, Conflict):
     slug = "request-in-progress"
     title = "A request with this idempotency key is in progress"
     should_retry = True
+    operation_state = "processing"
+    safe_new_key = False
 
 
 class OutcomeUnknown(ProblemError, Conflict):
@@ -209,6 +225,8 @@ class OutcomeUnknown(ProblemError, Conflict):
     slug = "outcome-unknown"
     title = "The outcome of the request with this idempotency key is unknown"
     should_retry = False
+    operation_state = "unknown"
+    safe_new_key = False
 
 
 class KeyExpired(ProblemError, Conflict):
@@ -220,6 +238,8 @@ class KeyExpired(ProblemError, Conflict):
     title = "The answer of the request with this idempotency key has expired"
     should_retry = False
     stripe_type = "invalid_request_error"
+    operation_state = "expired"
+    safe_new_key = False
 
 
 class KeyNotFound(ProblemError, NotFound):
@@ -238,6 +258,8 @@ class StoreUnavailable(ProblemError, ServiceUnavailable):
     title = "Idempotency store unavailable"
     should_retry = True
     stripe_type = "api_error"
+    operation_state = "unknown"
+    safe_new_key = False
 
 
 class StoreRefused(ProblemError, InternalServerError):
@@ -248,6 +270,8 @@ class StoreRefused(ProblemError, InternalServerError):
     title = "Idempotency store refused the request"
     should_retry = False
     stripe_type = "api_error"
+    operation_state = "unknown"
+    safe_new_key = False
 
 
 class FingerprintFailed(ProblemError, InternalServerError):
@@ -277,3 +301,5 @@ class ResponseNotStorable(ProblemError, InternalServerError):
     title = "Response cannot be stored for replay"
     should_retry = False
     stripe_type = "api_error"
+    operation_state = "unknown"
+    safe_new_key = False

@@ -347,15 +347,37 @@ class ProblemsDirective(_RstDirective):
         for cls in problem_classes():
             retry = {True: "``true``", False: "``false``", None: "(absent)"}[cls.should_retry]
             stripe = f"{cls.stripe_status or cls.code} ``{cls.stripe_type}``"
-            rows.append([f"``{cls.slug}``", f"{cls.code}", retry, stripe, _public_path(cls)])
+            state = f"``{cls.operation_state}``, ``{str(cls.safe_new_key).lower()}``"
+            rows.append([f"``{cls.slug}``", f"{cls.code}", retry, state, stripe, _public_path(cls)])
             doc = " ".join(inspect.getdoc(cls).split()) if cls.__doc__ else ""
             meanings += [f"``{cls.slug}``", f"   *{cls.title}.* {doc}", ""]
         yield "The ``type`` of each problem is ``IDEMPOTENCY_PROBLEM_TYPE_BASE`` + the slug;"
         yield f"by default ``{DEFAULT_PROBLEM_TYPE_BASE}key-reused`` and so on."
         yield ""
         yield from _table(
-            ["slug", "status", "``Stripe-Should-Retry``", "Stripe format", "raised as"], rows
+            [
+                "slug",
+                "status",
+                "``Stripe-Should-Retry``",
+                "``operation_state``, ``safe_new_key``",
+                "Stripe format",
+                "raised as",
+            ],
+            rows,
         )
+        yield ""
+        yield (
+            "Every problem carries the members ``operation_state`` (what became of the key's"
+            " operation: ``none``, no claim exists; ``processing``; ``completed``;"
+            " ``released``; ``abandoned``, proven not to have taken effect; ``unknown``;"
+            " ``expired``) and ``safe_new_key`` (true only when no effect of this key can have"
+            " happened, so the request may be sent again under a new key), SPEC §24. The"
+            " table gives each problem's usual pair; ``key-reused`` tells the key's own state"
+            " (``processing``, ``completed``, ``abandoned``, ``unknown``, or ``expired`` for a"
+            " tombstone), and ``key-expired`` answering a request first sent longer ago than"
+            " its TTL says ``unknown``."
+        )
+        yield ""
         yield "Each problem's ``title``, and when it is raised:"
         yield ""
         yield from meanings

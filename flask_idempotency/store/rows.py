@@ -60,7 +60,8 @@ def claim_outcome(
             lease_left=None if lease_left is None else float(lease_left),
             free_owner=free_owner,
         )
-    return ClaimOutcome(decision, attempt=seen_attempt or 0)
+    previous = KeyStatus(seen_status) if seen_status else None  # None: a tombstone's
+    return ClaimOutcome(decision, attempt=seen_attempt or 0, previous_status=previous)
 
 
 def storable_text(message: str) -> str:

@@ -124,4 +124,6 @@ def test_instance_is_the_path_the_client_asked_for(app: Flask) -> None:
 def test_stripe_format_is_unchanged(make_app: Callable[..., Flask]) -> None:
     app = make_app(IDEMPOTENCY_ERROR_FORMAT="stripe")
     body = app.test_client().post("/payments", json={}).get_json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "code", "message"}
+    # Stripe's members, and what became of the operation (SPEC §24)
+    stripe = {"type", "code", "message", "operation_state", "safe_new_key"}
+    assert set(body) == {"error"} and set(body["error"]) == stripe
