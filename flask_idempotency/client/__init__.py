@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .adapter import IdempotentAdapter
+    from .policy import KeyExpired
     from .transport import AsyncIdempotentTransport, IdempotentTransport
 
-__all__ = ["AsyncIdempotentTransport", "IdempotentAdapter", "IdempotentTransport"]
+__all__ = ["AsyncIdempotentTransport", "IdempotentAdapter", "IdempotentTransport", "KeyExpired"]
 
 #: where each public class lives, and the library it needs
 _HOMES = {
@@ -32,6 +33,10 @@ _HOMES = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "KeyExpired":  # needs no HTTP library
+        from .policy import KeyExpired
+
+        return KeyExpired
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, library = _HOMES[name]

@@ -53,11 +53,12 @@ class IdempotentAdapter(HTTPAdapter):
     It decides as :class:`IdempotentTransport` does: one ``Idempotency-Key`` (a UUID4) per
     request of *methods* that has none, kept across its attempts; a caller's key is kept;
     retries after connection errors, timeouts and retryable answers (409 ``retryable``, 429,
-    503, a 5xx with ``Stripe-Should-Retry: true``); every other answer, and every other
-    method, as it came. A file body is read into memory so that every attempt sends it; a
-    generator body (sent chunked) gets its key and is sent once. Unless the request is sent
-    with ``stream=True``, the answer is read whole within its attempt, so a connection that
-    drops mid-answer is retried too.
+    503, a 5xx with ``Stripe-Should-Retry: true``), each retry saying when the request was
+    first sent (``Repeatability-First-Sent``); a 409 ``key-expired`` raises
+    :class:`KeyExpired`; every other answer, and every other method, as it came. A file body
+    is read into memory so that every attempt sends it; a generator body (sent chunked) gets
+    its key and is sent once. Unless the request is sent with ``stream=True``, the answer is
+    read whole within its attempt, so a connection that drops mid-answer is retried too.
 
     :param max_attempts: attempts per request, the first included.
     :param max_elapsed: seconds, counted from the first attempt, within which a retry may
@@ -130,10 +131,11 @@ class IdempotentAdapter(HTTPAdapter):
             request.headers[KEY_HEADER] = new_key()
         if not _replayable(request):
             return attempt()
-        name = label(request.method, request.url, request.headers[KEY_HEADER])
-        attempts = Attempts(self.policy, self._random, name)
+        key = str(request.headers[KEY_HEADER])
+        attempts = Attempts(self.policy, self._random, label(request.method, request.url, key), key)
         while True:
             attempts.attempt()
+            request.headers.update(attempts.retry_headers())
             try:
                 response = attempt()
                 if not stream:

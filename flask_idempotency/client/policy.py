@@ -25,6 +25,51 @@ KEY_HEADER = "Idempotency-Key"
 PROBLEM = "application/problem+json"
 #: a problem body larger than this is not read to find ``retryable`` (ours are ~300 bytes)
 MAX_PROBLEM_BYTES = 64 * 1024
+#: the request header a retry says when its request was first sent in (OASIS Repeatable
+#: Requests 1.0, an HTTP-date): a server that kept nothing of an older key refuses it
+FIRST_SENT_HEADER = "Repeatability-First-Sent"
+
+
+class KeyExpired(Exception):
+    """The server answered 409 ``key-expired`` (SPEC §24): the request ran under this key
+    long ago and its answer expired, or it was first sent longer ago than the server keeps
+    keys. Never retried, and no new key is made for it: whether it took effect is for the
+    caller to find out before it sends the request again under a new key.
+
+    *problem* is the answer's problem object (``{}`` if it had none), whose members are
+    also attributes: ``completed_at``, ``expired_at`` and ``first_status`` (None when the
+    server does not know them), ``operation_state`` and ``safe_new_key``.
+    """
+
+    def __init__(self, key: str, problem: dict[str, object]) -> None:
+        super().__init__(f"the answer of the request with Idempotency-Key {key!r} has expired")
+        self.key = key
+        self.problem = problem
+        self.completed_at = problem.get("completed_at")
+        self.expired_at = problem.get("expired_at")
+        self.first_status = problem.get("first_status")
+        self.operation_state = problem.get("operation_state", "expired")
+        self.safe_new_key = problem.get("safe_new_key", False)
+
+
+KeyExpired.__module__ = "flask_idempotency.client"
+
+
+def expired_problem(body: bytes) -> dict[str, object] | None:
+    """The problem (or Stripe's error object) of a ``key-expired`` answer; None for any
+    other answer."""
+    if len(body) > MAX_PROBLEM_BYTES:
+        return None
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(found, dict) and isinstance(found.get("error"), dict):
+        found = found["error"]  # IDEMPOTENCY_ERROR_FORMAT = "stripe"
+        slug = found.get("code")
+    else:
+        slug = str(found.get("type", "")).rsplit(":", 1)[-1].rsplit("/", 1)[-1]
+    return found if isinstance(found, dict) and slug == "key-expired" else None
 
 
 def new_key() -> str:
@@ -150,8 +195,12 @@ class Attempts:
     policy: RetryPolicy
     random: Callable[[], float]
     label: str
+    #: the request's key
+    key: str = ""
     made: int = 0
     started: float = field(default_factory=time.monotonic)
+    #: when the first attempt was made, an HTTP-date (``Repeatability-First-Sent``)
+    first_sent: str = field(default_factory=lambda: email.utils.formatdate(usegmt=True))
 
     def attempt(self) -> None:
         """Count an attempt that is about to be sent."""
@@ -161,11 +210,23 @@ class Attempts:
         """Seconds to wait after an attempt that raised a retryable *error*; None to raise it."""
         return self._next(None, error)
 
+    def retry_headers(self) -> dict[str, str]:
+        """The headers the attempt about to be sent adds: on a retry, when its request was
+        first sent (``Repeatability-First-Sent``)."""
+        return {FIRST_SENT_HEADER: self.first_sent} if self.made > 1 else {}
+
     def after_answer(
         self, status: int, headers: Mapping[str, str], body: Callable[[], bytes], answer: object
     ) -> float | None:
         """Seconds to wait after an answer; None to return it. *body* is called only for a
-        409 that does not say ``Stripe-Should-Retry``, whose problem then decides."""
+        409, whose problem then decides (``retryable``, or ``key-expired``).
+
+        :raises KeyExpired: the answer is 409 ``key-expired``.
+        """
+        if status == 409 and wants_body(headers.get("Content-Type"), headers.get("Content-Length")):
+            expired = expired_problem(body())
+            if expired is not None:
+                raise KeyExpired(self.key, expired)
         retry = retryable_status(status, should_retry_header(headers.get("Stripe-Should-Retry")))
         if retry is None:
             retry = wants_body(

@@ -97,8 +97,8 @@ class _Settings:
             request.headers[KEY_HEADER] = new_key()
         if _streamed(request):
             return None
-        name = label(request.method, request.url, request.headers[KEY_HEADER])
-        return Attempts(self.policy, self._random, name)
+        key = request.headers[KEY_HEADER]
+        return Attempts(self.policy, self._random, label(request.method, request.url, key), key)
 
 
 class IdempotentTransport(_Settings, httpx.BaseTransport):
@@ -116,8 +116,10 @@ class IdempotentTransport(_Settings, httpx.BaseTransport):
     UUID4), which all its attempts send; a key the caller set is kept. It is retried after a
     connection error or a timeout, and after an answer the server marks retryable: a 409
     whose problem says ``retryable: true`` (or with ``Stripe-Should-Retry: true``), 429, 503,
-    and any 5xx with ``Stripe-Should-Retry: true``. Every other answer, among them 422 and a
-    409 ``outcome-unknown``, is returned as it came. Requests of other methods pass through
+    and any 5xx with ``Stripe-Should-Retry: true``; each retry says when the request was first
+    sent (``Repeatability-First-Sent``). A 409 ``key-expired`` raises :class:`KeyExpired`.
+    Every other answer, among them 422 and a 409 ``outcome-unknown``, is returned as it
+    came. Requests of other methods pass through
     untouched.
 
     The body is buffered so that every attempt sends it again; a body of unknown length (a
@@ -162,6 +164,7 @@ class IdempotentTransport(_Settings, httpx.BaseTransport):
         request.read()  # buffered once: every attempt sends the same bytes
         while True:
             attempts.attempt()
+            request.headers.update(attempts.retry_headers())
             try:
                 response = _in_memory(self.transport.handle_request(request))
             except RETRIED_ERRORS as exc:
@@ -210,6 +213,7 @@ class AsyncIdempotentTransport(_Settings, httpx.AsyncBaseTransport):
         await request.aread()
         while True:
             attempts.attempt()
+            request.headers.update(attempts.retry_headers())
             try:
                 response = await _in_memory_async(
                     await self.transport.handle_async_request(request)

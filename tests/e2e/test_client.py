@@ -31,6 +31,7 @@ from flask_idempotency.client import (
     AsyncIdempotentTransport,
     IdempotentAdapter,
     IdempotentTransport,
+    KeyExpired,
 )
 from flask_idempotency.client.policy import (
     Attempts,
@@ -340,6 +341,29 @@ def test_an_unknown_outcome_is_returned_at_once(
     assert executions(db, tenant, key) == 1
 
 
+def test_an_expired_key_raises_key_expired_at_once(
+    caller: Caller, server: int, front: TcpProxy, db: DB, tenant: str
+) -> None:
+    """SPEC §24: a 409 ``key-expired`` is raised as KeyExpired, never retried, and the
+    request is not sent again under another key."""
+    key = f"expired-{uuid.uuid4()}"
+    assert post(server, "/pay", key, {"amount": 1}, headers={"X-Tenant": tenant}).status == 201
+    db.execute(
+        "UPDATE idempotency_keys SET expires_at = now() WHERE tenant = %s AND key = %s",
+        (tenant, key),
+    )
+    with pytest.raises(KeyExpired) as raised:
+        caller.send(
+            "POST", "/pay", headers={"X-Tenant": tenant, "Idempotency-Key": key}, json={"amount": 1}
+        )
+    expired = raised.value
+    assert expired.key == key and expired.first_status == 201
+    assert expired.operation_state == "expired" and expired.safe_new_key is False
+    assert isinstance(expired.completed_at, str) and isinstance(expired.expired_at, str)
+    assert front.round_trips == 1 and caller.sleeps == []
+    assert executions(db, tenant, key) == 1
+
+
 def test_other_methods_are_untouched(caller: Caller, front: TcpProxy) -> None:
     """A GET gets no key and is never retried, not even after a lost answer."""
     answer = caller.send("GET", "/health")
@@ -445,6 +469,37 @@ def test_a_409_is_retried_on_its_problem_alone() -> None:
         answer = client.patch("http://api/orders/1", json={"state": "paid"})
     assert answer.status_code == 409 and answer.json() == {}  # not retryable: returned
     assert waits == [0.0] and len(keys) == 2 and keys[0] == keys[1] is not None
+
+
+def test_a_retry_says_when_its_request_was_first_sent() -> None:
+    """``Repeatability-First-Sent`` (OASIS Repeatable Requests 1.0) on every retry, the same
+    HTTP-date each time; not on the first attempt."""
+    sent: list[str | None] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers.get("Repeatability-First-Sent"))
+        return httpx.Response(503 if len(sent) < 3 else 201, json={})
+
+    transport = IdempotentTransport(
+        httpx.MockTransport(server), sleep=lambda s: None, random=lambda: 0.0
+    )
+    with httpx.Client(transport=transport) as client:
+        assert client.post("http://api/pay", json={}).status_code == 201
+    first, *retries = sent
+    assert first is None and len(retries) == 2 and retries[0] == retries[1]
+    assert retries[0] is not None and retry_after_seconds(retries[0]) == 0.0  # a past date
+
+
+def test_a_key_expired_problem_in_stripes_shape_raises_too() -> None:
+    error = {"error": {"type": "invalid_request_error", "code": "key-expired", "message": "x"}}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(409, headers={"Stripe-Should-Retry": "false"}, json=error)
+
+    transport = IdempotentTransport(httpx.MockTransport(server), sleep=lambda s: None)
+    with httpx.Client(transport=transport) as client, pytest.raises(KeyExpired) as raised:
+        client.post("http://api/pay", json={})
+    assert raised.value.first_status is None and raised.value.operation_state == "expired"
 
 
 def test_waits_are_capped_by_max_backoff_and_the_budget() -> None:
