@@ -35,9 +35,9 @@ def _tenant_option(ctx: click.Context, param: click.Parameter, value: str) -> st
 
 @click.command(
     "idempotency-forget",
-    help="Forget a 'completed' or 'retryable' key so that it can be used afresh (a stored"
-    " failure of run_once, say: the next delivery runs again). A 'processing' or 'unknown'"
-    " key cannot be forgotten.",
+    help="Forget a 'completed' or 'retryable' key, or the tombstone of an expired one, so that"
+    " it can be used afresh (a stored failure of run_once, say: the next delivery runs again)."
+    " A 'processing' or 'unknown' key cannot be forgotten.",
 )
 @click.argument("key", callback=_key_argument)
 @click.option(

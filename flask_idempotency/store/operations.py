@@ -43,6 +43,7 @@ from .statements_console import (
     EXACT_COUNTS,
     EXHAUSTED_OF_FILTER,
     FORGET,
+    FORGET_TOMBSTONE,
     HEARTBEATS,
     JOB_COUNTS,
     JOB_DETAIL,
@@ -362,16 +363,19 @@ class Operations:
         reason: str | None = None,
         seen: KeyVersion | None = None,
     ) -> bool:
-        """Delete a ``completed`` or ``retryable`` key, so that it may be used afresh;
-        False when there is no such key in those statuses, or (with *seen*, what the
-        operator saw) the key is no longer that version: used afresh, taken over."""
+        """Delete a ``completed`` or ``retryable`` key, or the tombstone of an expired one
+        (SPEC §24; none on Citus yet), so that it may be used afresh; False when there is
+        no such key in those statuses nor a tombstone, or (with *seen*, what the operator
+        saw) the key is no longer that version: used afresh, taken over."""
         params = {
             "tenant": tenant,
             "key": key,
             **_seen_params(seen),
             **self._who(actor, reason, "forget"),
         }
-        return bool(self._rows(FORGET, params))
+        if self._rows(FORGET, params):
+            return True
+        return not self.store.citus and bool(self._rows(FORGET_TOMBSTONE, params))
 
     def rearm(
         self,

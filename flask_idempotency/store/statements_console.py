@@ -240,6 +240,18 @@ WITH changed AS (
     + _AUDIT_KEYS
 )
 
+# A key's tombstone (SPEC §24), forgotten so that the key may be used afresh; only when the
+# operator saw no particular version of the key (a tombstone has none).
+FORGET_TOMBSTONE = (
+    """
+WITH changed AS (
+    DELETE FROM {tombstones}
+    WHERE tenant = %(tenant)s AND key = %(key)s AND %(seen_attempt)s::integer IS NULL
+    RETURNING tenant, key, 'expired'::text AS before, 'deleted'::text AS after
+)"""
+    + _AUDIT_KEYS
+)
+
 # Re-arm exhausted keys: reconciliation starts again, due at once. One key, or up to
 # %(batch)s of a filter (the keys list's filters).
 REARM = (

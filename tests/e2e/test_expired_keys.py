@@ -21,8 +21,12 @@ DB = psycopg.Connection[TupleRow]
 
 
 def clean_as_cron(database_url: str) -> str:
+    return flask_as_cron(database_url, "idempotency-clean")
+
+
+def flask_as_cron(database_url: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "flask", "--app", "example.app:create_app", "idempotency-clean"],
+        [sys.executable, "-m", "flask", "--app", "example.app:create_app", *args],
         env={**os.environ, "PYTHONPATH": str(ROOT), "DATABASE_URL": database_url},
         cwd=ROOT,
         capture_output=True,
@@ -67,5 +71,25 @@ def test_a_retry_after_expiry_is_answered_under_gunicorn_and_after_the_cleaner(
             assert headers["Stripe-Should-Retry"] == "false" and "Retry-After" not in headers
         status, _, answer = request(server.port, key, {"amount": 1}, api_key=tenant)
         assert status == 422 and json.loads(answer)["type"].endswith(":key-reused")
+    payments = db.execute("SELECT count(*) FROM payments WHERE tenant = %s", [tenant]).fetchone()
+    assert payments == (1,)
+    # an operator forgets the tombstone (audited): the key may be used afresh
+    forgot = ("idempotency-forget", key, "--tenant", tenant, "--actor", "ann", "--reason", "x")
+    assert "forgotten" in flask_as_cron(database_url, *forgot)
+    audit = db.execute(
+        "SELECT actor, action, status_before, status_after FROM idempotency_audit"
+        " WHERE tenant = %s AND key = %s",
+        [tenant, key],
+    ).fetchall()
+    assert audit == [("ann", "forget", "expired", "deleted")]
+    gone = db.execute(
+        "SELECT count(*) FROM idempotency_keys_tombstones WHERE tenant = %s AND key = %s",
+        [tenant, key],
+    ).fetchone()
+    assert gone == (0,)
+    # the view runs again: the example's own unique (tenant, key) on its payments refuses a
+    # second payment (500), which is why forgetting is an operator's audited act
+    status, _, _ = request(server.port, key, {"amount": 700}, api_key=tenant)
+    assert status == 500
     payments = db.execute("SELECT count(*) FROM payments WHERE tenant = %s", [tenant]).fetchone()
     assert payments == (1,)
