@@ -165,7 +165,7 @@ def test_the_background_batches_through_default_pgbouncer(
 
         app = fresh_app()
         maintenance = get_state(app).maintenance
-        cleaned = in_threads(app, lambda: maintenance.delete_expired(2))
+        cleaned = in_threads(app, lambda: maintenance.delete_expired(2).deleted)
         runs["clean"] = (cleaned, switched(app))
     warnings = [r for r in caplog.records if "prepared statements fail" in r.getMessage()]
     print(f"(done, switched) per runner: {runs}; {len(warnings)} warning(s)")
