@@ -79,11 +79,16 @@ def key() -> str:
     row = operations().key_detail(tenant, name, max_attempts(), BODY_PREVIEW)
     trail = operations().audit_page(tenant=tenant, key=name, limit=PAGE_SIZE)
     if row is None:
-        if not trail:
+        tombstone = operations().tombstone(tenant, name)
+        if not (trail or tombstone):
             abort(404, "No such key: it was never used, or has expired and been cleaned.")
-        # forgotten (or forgotten and cleaned): the audit's link still leads somewhere
+        # expired and cleaned (its tombstone), or forgotten: the page says which
         return render_template(
-            "idempotency_console/key_gone.html", tenant=tenant, key=name, trail=trail
+            "idempotency_console/key_gone.html",
+            tenant=tenant,
+            key=name,
+            trail=trail,
+            tombstone=tombstone,
         )
     return render_template(
         "idempotency_console/key.html",

@@ -55,6 +55,7 @@ from .statements_console import (
     REARM,
     RESOLVE,
     RETRY_JOBS,
+    TOMBSTONE,
     UNKNOWN_ONLY,
     WINDOW_END,
 )
@@ -244,6 +245,13 @@ class Operations:
         params = {"tenant": tenant, "key": key, "max_attempts": max_attempts, "preview": preview}
         rows = self._rows(KEY_DETAIL, params)
         return self._opened(KeyDetail(**rows[0]), preview) if rows else None
+
+    def tombstone(self, tenant: str, key: str) -> dict[str, Any] | None:
+        """The tombstone of an expired key (SPEC §24): ``first_status``, ``completed_at``,
+        ``expired_at`` and ``kept_until``; None if it has none."""
+        params = {"tenant": tenant, "key": key, "tombstone_ttl": self.store.tombstone_seconds}
+        rows = self._rows(TOMBSTONE, params)
+        return rows[0] if rows else None
 
     def _opened(self, row: KeyDetail, preview: int) -> KeyDetail:
         """*row* with its sealed response and request opened (``IDEMPOTENCY_ENCRYPTOR``);

@@ -196,6 +196,13 @@ SELECT id::text, tenant, key, name, payload, attempts, dead, due_at, last_error,
 FROM {jobs} WHERE id = %(id)s::uuid
 """
 
+# What is left of an expired key (SPEC §24): its tombstone, and until when it is kept.
+TOMBSTONE = """
+SELECT first_status, completed_at, expired_at,
+       expired_at + make_interval(secs => %(tombstone_ttl)s) AS kept_until
+FROM {tombstones} WHERE tenant = %(tenant)s AND key = %(key)s
+"""
+
 AUDIT_PAGE = """
 SELECT id, at, actor, action, tenant, key, job_id, status_before, status_after, reason,
        job_name, left(payload, %(preview)s) AS payload, length(payload) AS payload_length

@@ -177,6 +177,20 @@ def test_an_operator_resolves_retries_and_discards_in_a_real_browser(
     assert "discard_job" in row.inner_text() and "ann" in row.inner_text()
     assert not job_left(discard_id) and receipts(discard_id) == 0
 
+    # 4. An expired key, cleaned into its tombstone (SPEC §24): its page says so.
+    gone = f"pay-{uuid.uuid4().hex[:12]}"
+    db.execute(
+        "INSERT INTO idempotency_keys_tombstones"
+        " (tenant, key, fingerprint, first_status, completed_at, expired_at)"
+        " VALUES (%s, %s, '\\x00', 201, now() - interval '2 days', now() - interval '1 day')",
+        (account, gone),
+    )
+    page.goto(f"{CONSOLE}/key?tenant={account}&key={gone}")
+    page.locator("span.status", has_text="expired").wait_for()
+    detail = page.locator("dl.detail").last.inner_text()
+    assert "201" in detail and "kept until" in detail
+    assert "key-expired" in page.locator("p.gone").inner_text()
+
     # The overview's script (served by the blueprint, allowed by the CSP) refreshes it.
     page.goto(CONSOLE + "/")
     with page.expect_response(lambda r: r.request.resource_type == "fetch", timeout=15_000) as got:

@@ -313,6 +313,25 @@ def test_forget_a_completed_key_so_it_runs_afresh(console: Console) -> None:
     assert console.post("/key/act", action="forget", tenant="t", key="done-3").status_code == 404
 
 
+def test_an_expired_keys_tombstone_has_a_page(console: Console) -> None:
+    """SPEC §24: a key the cleaner moved into its tombstone is shown as expired, with when
+    it completed and expired and until when it is answered; markup in it shows as text."""
+    db = console.db
+    key = "<b>gone</b>"
+    db.execute(
+        "INSERT INTO console_keys_tombstones"
+        " (tenant, key, fingerprint, first_status, completed_at, expired_at)"
+        " VALUES ('t', %s, '\\x00', 201, now() - interval '2 days', now() - interval '1 day')",
+        [key],
+    )
+    answer = console.get("/key", tenant="t", key=key)
+    page = answer.get_data(as_text=True)
+    assert answer.status_code == 200
+    assert ">expired</span>" in page and ">201<" in page and "key-expired" in page
+    assert "&lt;b&gt;gone&lt;/b&gt;" in page and "<b>gone</b>" not in page
+    assert console.get("/key", tenant="t", key="never-used").status_code == 404
+
+
 def test_rearm_one_key_and_all_of_a_filter(console: Console) -> None:
     db = console.db
     for name in ("ex-1", "ex-2", "ex-3"):
