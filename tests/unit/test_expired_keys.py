@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 from flask import Flask
+from psycopg import sql
 
 from flask_idempotency.state import get_state
 from tests.support.helpers import DB, executions, post, problem
+from tests.support.old_tables import app_on
 
 
 def expire(db: DB, key: str, ago: str = "0 seconds") -> None:
@@ -246,3 +248,40 @@ def test_an_old_date_that_werkzeug_reads_leniently_is_still_old(
     answer = app.test_client().post("/payments", json={"amount": 100}, headers=headers)
     problem(answer, 409, "key-expired")
     assert executions(db, key) == 0
+
+
+def test_init_gives_a_populated_0_1_0_table_its_tombstones(
+    make_app: Callable[..., Flask], db: DB, old_table: str
+) -> None:
+    """The online upgrade (SPEC §16): ``flask idempotency-init`` on a populated table of the
+    first release adds the tombstones table; its completed keys expire into tombstones."""
+    tombstones = f"{old_table}_tombstones"
+    app = app_on(make_app, old_table)
+    try:
+        init = app.test_cli_runner().invoke(args=["idempotency-init"])
+        assert init.exit_code == 0, init.output
+        assert "tombstones table" in init.output
+        found = db.execute("SELECT to_regclass(%s) IS NOT NULL", [tombstones]).fetchone()
+        assert found == (True,)
+        expired = db.execute(
+            sql.SQL(
+                "UPDATE {} SET expires_at = now() WHERE status = 'completed' AND tenant = 't1'"
+            ).format(sql.Identifier(old_table))
+        ).rowcount
+        assert expired > 0
+        with app.app_context():
+            cleaned = get_state().maintenance.delete_expired(100_000)
+        assert cleaned.tombstones == expired
+        # an old key's tombstone answers: its fingerprint is not this request's (422)
+        old_key = db.execute(
+            sql.SQL("SELECT key FROM {} LIMIT 1").format(sql.Identifier(tombstones))
+        ).fetchone()
+        assert old_key is not None
+        answer = post(app.test_client(), "/payments", old_key[0], X_Tenant="t1")
+        assert state_of(problem(answer, 422, "key-reused")) == ("expired", True)
+    finally:
+        db.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(tombstones)))
+
+
+def state_of(body: dict[str, Any]) -> tuple[str, bool]:
+    return body["operation_state"], body["safe_new_key"]
