@@ -27,6 +27,7 @@ from .records import (
     JobRow,
     KeyDetail,
     KeyRow,
+    Tombstone,
     WindowEnd,
 )
 from .rows import is_storable_text, storable_text
@@ -246,12 +247,11 @@ class Operations:
         rows = self._rows(KEY_DETAIL, params)
         return self._opened(KeyDetail(**rows[0]), preview) if rows else None
 
-    def tombstone(self, tenant: str, key: str) -> dict[str, Any] | None:
-        """The tombstone of an expired key (SPEC §24): ``first_status``, ``completed_at``,
-        ``expired_at`` and ``kept_until``; None if it has none."""
+    def tombstone(self, tenant: str, key: str) -> Tombstone | None:
+        """The tombstone of an expired key (SPEC §24); None if it has none."""
         params = {"tenant": tenant, "key": key, "tombstone_ttl": self.store.tombstone_seconds}
         rows = self._rows(TOMBSTONE, params)
-        return rows[0] if rows else None
+        return Tombstone(**rows[0]) if rows else None
 
     def _opened(self, row: KeyDetail, preview: int) -> KeyDetail:
         """*row* with its sealed response and request opened (``IDEMPOTENCY_ENCRYPTOR``);

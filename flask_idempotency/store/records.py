@@ -255,6 +255,17 @@ class WindowEnd:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tombstone:
+    """What is left of an expired key (SPEC §24), as the console shows it."""
+
+    first_status: int
+    completed_at: datetime
+    expired_at: datetime
+    #: until when the tombstone is kept (``expired_at`` + IDEMPOTENCY_TOMBSTONE_TTL)
+    kept_until: datetime
+
+
+@dataclasses.dataclass(frozen=True)
 class KeyDetail:
     """One key on the console's key page: its body cut to a preview, its sealed response
     and request opened (or why they cannot be)."""
