@@ -55,21 +55,29 @@ class KeyExpired(Exception):
 KeyExpired.__module__ = "flask_idempotency.client"
 
 
-def expired_problem(body: bytes) -> dict[str, object] | None:
-    """The problem (or Stripe's error object) of a ``key-expired`` answer; None for any
-    other answer."""
+def json_object(body: bytes) -> dict[str, object] | None:
+    """*body* as a JSON object (a problem, or Stripe's error); None when it is too large to
+    be one of ours, not JSON, or not an object."""
     if len(body) > MAX_PROBLEM_BYTES:
         return None
     try:
         found = json.loads(body)
     except ValueError:
         return None
-    if isinstance(found, dict) and isinstance(found.get("error"), dict):
-        found = found["error"]  # IDEMPOTENCY_ERROR_FORMAT = "stripe"
-        slug = found.get("code")
-    else:
-        slug = str(found.get("type", "")).rsplit(":", 1)[-1].rsplit("/", 1)[-1]
-    return found if isinstance(found, dict) and slug == "key-expired" else None
+    return found if isinstance(found, dict) else None
+
+
+def expired_problem(body: bytes) -> dict[str, object] | None:
+    """The problem (or Stripe's error object) of a ``key-expired`` answer; None for any
+    other answer."""
+    found = json_object(body)
+    if found is None:
+        return None
+    error = found.get("error")
+    if isinstance(error, dict):  # IDEMPOTENCY_ERROR_FORMAT = "stripe"
+        return error if error.get("code") == "key-expired" else None
+    slug = str(found.get("type", "")).rsplit(":", 1)[-1].rsplit("/", 1)[-1]
+    return found if slug == "key-expired" else None
 
 
 def new_key() -> str:
@@ -159,13 +167,8 @@ def wants_body(content_type: str | None, content_length: str | None) -> bool:
 
 def retryable_problem(body: bytes) -> bool:
     """A problem body's ``retryable`` member (RFC 9457 extension; False when not a problem)."""
-    if len(body) > MAX_PROBLEM_BYTES:
-        return False
-    try:
-        problem = json.loads(body)
-    except ValueError:
-        return False
-    return isinstance(problem, dict) and problem.get("retryable") is True
+    problem = json_object(body)
+    return problem is not None and problem.get("retryable") is True
 
 
 def retry_after_seconds(value: str | None, now: Callable[[], float] = time.time) -> float | None:

@@ -49,6 +49,7 @@ APP = "tests.apps.e2e_app:create_app()"
 KINDS = ["httpx", "httpx-async", "requests"]
 PROBLEM_BASE = "tag:flask-idempotency,2026:problem:"
 JITTER = 0.5  # what random() returns: each jittered wait is half its ceiling
+PROBLEM_TYPE = "application/problem+json"
 
 
 # -- the servers ------------------------------------------------------------------------------
@@ -500,6 +501,21 @@ def test_a_key_expired_problem_in_stripes_shape_raises_too() -> None:
     with httpx.Client(transport=transport) as client, pytest.raises(KeyExpired) as raised:
         client.post("http://api/pay", json={})
     assert raised.value.first_status is None and raised.value.operation_state == "expired"
+
+
+@pytest.mark.parametrize(
+    "body", [b"[1]", b'"key-expired"', b"null", b"{", b'{"error": [1]}', b"x" * 70_000]
+)
+def test_a_409_body_that_is_no_problem_object_is_returned(body: bytes) -> None:
+    """A 409 whose body is JSON but not an object (or no JSON) raises nothing: returned."""
+    transport = IdempotentTransport(
+        httpx.MockTransport(
+            lambda r: httpx.Response(409, headers={"Content-Type": PROBLEM_TYPE}, content=body)
+        ),
+        sleep=lambda s: None,
+    )
+    with httpx.Client(transport=transport) as client:
+        assert client.post("http://api/pay", json={}).status_code == 409
 
 
 def test_waits_are_capped_by_max_backoff_and_the_budget() -> None:
