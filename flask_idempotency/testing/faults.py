@@ -389,6 +389,8 @@ class Intent:
         elif 200 <= status < 300:
             self.ack = self.ack or answer
             self.final = True
+        elif status == 409 and answer.problem == "key-expired":
+            self.final = True  # past its life (SPEC §24): answered so, never run again
         elif status == 409 and answer.problem == "outcome-unknown":
             self.next_at = now + UNKNOWN_RETRY
         elif status in (409, 429, 503):
@@ -948,12 +950,50 @@ def _key_violations(
             problems.append(f"answered {answer.label()}: {answer.body[:200]!r}")
         elif status is not None and 400 <= status < 500 and status not in (409, 429):
             problems.append(f"answered {answer.label()}")
+    problems += _expiry_violations(intent, runs)
     ack = intent.ack
     if ack is not None:
         problems += _ack_violations(report, intent, ack, runs)
     elif not intent.final:
         last = intent.exchanges[-1].label() if intent.exchanges else "nothing"
         problems.append(f"never settled: no final answer after the drain (last: {last})")
+    return problems
+
+
+def _first_status(answer: Exchange) -> int | None:
+    """The first answer's status a 409 key-expired names (SPEC §24), else None."""
+    if answer.status != 409 or answer.problem != "key-expired":
+        return None
+    try:
+        status = json.loads(answer.body).get("first_status")
+    except (ValueError, AttributeError):
+        return None
+    return status if isinstance(status, int) else None
+
+
+def _expiry_violations(intent: Intent, runs: list[Run]) -> list[str]:
+    """A key answered 409 key-expired (SPEC §24) is past its life: no view runs under it
+    after that answer, every such answer names the first answer's status, and that status
+    is the one the client was acknowledged."""
+    expired = [e for e in intent.exchanges if e.status == 409 and e.problem == "key-expired"]
+    if not expired:
+        return []
+    problems: list[str] = []
+    first = min(e.at for e in expired)
+    late = [r for r in runs if r.started > first]
+    if late:
+        problems.append(
+            f"ran again (attempt {late[0].attempt}, {late[0].how}) after it was answered"
+            " key-expired"
+        )
+    named = [_first_status(e) for e in expired]
+    if None in named:
+        problems.append("answered key-expired without the first answer's status")
+    elif intent.ack is not None and set(named) != {intent.ack.status}:
+        problems.append(
+            f"answered key-expired naming first status {set(named)}, acknowledged"
+            f" {intent.ack.status}"
+        )
     return problems
 
 
@@ -967,7 +1007,12 @@ def _ack_violations(
     changed = [e for e in later if e.status is not None and 200 <= e.status < 300]
     changed = [e for e in changed if e.body != ack.body]
     verify = [e for e in intent.exchanges if e.purpose == "verify"]
-    lost = [e for e in verify if e.status is None or not 200 <= e.status < 300 or not e.replayed]
+    lost = [
+        e
+        for e in verify
+        if (e.status is None or not 200 <= e.status < 300 or not e.replayed)
+        and _first_status(e) != ack.status
+    ]
     if not changed and not lost:
         return []
     answering = [r for r in runs if r.started < ack.at]

@@ -231,3 +231,64 @@ def test_fault_schedule_runs_no_view_twice(
     )
     print(report.summary())
     assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"
+
+
+#: the keys' TTL of the run where keys expire under the faults (SPEC §24): an answer is kept
+#: for 3 s, so the duplicates, the late retries and the final look meet expired keys, both
+#: rows past their expiry and the tombstones the cleaner (one of the faults) leaves
+SHORT_TTL = 3
+
+
+def expiry_problems(report: FaultReport, store_url: str, tenant: str) -> list[str]:
+    """The run must have met expired keys: answers 409 key-expired, and tombstones."""
+    expired = [
+        e
+        for i in report.intents
+        for e in i.exchanges
+        if e.status == 409 and e.problem == "key-expired"
+    ]
+    with psycopg.connect(store_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM idempotency_keys_tombstones WHERE tenant = %s", (tenant,)
+        ).fetchone()
+    tombstones = row[0] if row else 0
+    if not expired or not tombstones:
+        return [f"harness: {len(expired)} key-expired answers, {tombstones} tombstones"]
+    return []
+
+
+@pytest.mark.timeout(int(FAULT_SECONDS) + 200)
+def test_keys_expiring_under_the_faults_are_answered_never_run_again(
+    store: PostgresServer, database_url: str, tmp_path: Path
+) -> None:
+    """SPEC §24 under the schedule: with answers kept 3 s, retries, duplicates and the final
+    look meet keys past their life; each is answered 409 key-expired naming the status the
+    client was acknowledged, and no view runs under it again (the plugin's checks)."""
+    seed = seeds_of_run()[-1]
+    repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_FAULT_SECONDS={FAULT_SECONDS:g}"
+    print(f"seed {seed} (repeat with {repeat})")
+    tenant = f"expiry-{seed}-{uuid.uuid4().hex[:8]}"
+    create_tables(store.url, database_url)
+    effects = Effects(tenant, store.url, database_url)
+    report = run_fault_schedule(
+        APP,
+        REQUESTS,
+        database=store.url,
+        server=store,
+        seconds=FAULT_SECONDS,
+        seed=seed,
+        effects=effects,
+        env=environment(database_url, **SETTINGS, ttl=SHORT_TTL),
+        headers={"X-Tenant": tenant},
+        workers=3,
+        clients=4,
+        settle=30,
+        cwd=ROOT,
+        logs=tmp_path,
+        check=lambda report: [
+            *project_problems(report, effects),
+            *expiry_problems(report, store.url, tenant),
+        ],
+    )
+    print(report.summary())
+    assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"

@@ -1,0 +1,62 @@
+"""The fault schedule's check of expired keys (SPEC §24), on made-up histories: a key
+answered 409 key-expired is final, never runs again, and names the status its client was
+acknowledged. The schedule itself runs in tests/e2e/test_fault_schedule.py; here each rule
+is shown to fail when broken, which a passing schedule cannot show."""
+
+from __future__ import annotations
+
+import json
+
+from flask_idempotency.testing.faults import (
+    Exchange,
+    Intent,
+    Request,
+    Run,
+    _expiry_violations,
+)
+
+REQUEST = Request("POST", "/charge", b"{}")
+
+
+def expired(at: float, first_status: object = 201) -> Exchange:
+    body = json.dumps({"type": "x:key-expired", "first_status": first_status}).encode()
+    return Exchange("retry", 0.0, 0.0, 409, body=body, problem="key-expired", at=at)
+
+
+def acked(at: float) -> Exchange:
+    return Exchange("first", 0.0, 0.0, 201, body=b'{"id": 1}', at=at)
+
+
+def intent(*exchanges: Exchange) -> Intent:
+    found = Intent(0, "k", REQUEST)
+    for exchange in exchanges:
+        found.exchanges.append(exchange)
+        found.absorb(exchange)
+    return found
+
+
+def test_an_expired_answer_is_final() -> None:
+    assert intent(expired(10.0)).final
+
+
+def test_an_acknowledged_key_answered_expired_with_its_status_is_kept() -> None:
+    runs = [Run("k", 1, 7, 1.0, "claimed", end="stored")]
+    assert _expiry_violations(intent(acked(2.0), expired(10.0)), runs) == []
+
+
+def test_a_run_after_the_expired_answer_is_a_violation() -> None:
+    runs = [Run("k", 1, 7, 1.0, "claimed", end="stored"), Run("k", 1, 7, 11.0, "claimed")]
+    found = _expiry_violations(intent(acked(2.0), expired(10.0)), runs)
+    assert found and "ran again" in found[0]
+
+
+def test_another_first_status_than_the_acknowledged_one_is_a_violation() -> None:
+    runs = [Run("k", 1, 7, 1.0, "claimed", end="stored")]
+    found = _expiry_violations(intent(acked(2.0), expired(10.0, first_status=500)), runs)
+    assert found and "acknowledged 201" in found[0]
+
+
+def test_an_expired_answer_without_a_first_status_is_a_violation() -> None:
+    for nasty in (None, "201", float("nan"), [201]):
+        found = _expiry_violations(intent(expired(10.0, first_status=nasty)), [])
+        assert found == ["answered key-expired without the first answer's status"], nasty
