@@ -36,7 +36,6 @@ from .statements_background import (
     COUNT_STUCK,
     DEAD_OWNER,
     DEFERRED,
-    DELETE_EXPIRED,
     DELETE_TOMBSTONES,
     END_LEASE,
     LIST_EXHAUSTED,
@@ -49,6 +48,8 @@ from .statements_background import (
 from .statements_citus import (
     EXPIRED_JOINED,
     EXPIRED_RECHECK,
+    TOMBSTONE_JOINED,
+    TOMBSTONE_RECHECK,
     abandoned_without_row_locks,
     without_row_locks,
 )
@@ -82,8 +83,11 @@ class Maintenance:
         self._list_exhausted = statement(LIST_EXHAUSTED)
         self._end_lease = statement(END_LEASE)
         # on Citus (statements_citus): no row locks across shards, the write checks again
-        self._citus_delete_expired = statement(
-            without_row_locks(DELETE_EXPIRED, EXPIRED_RECHECK, EXPIRED_JOINED)
+        self._citus_bury_expired = statement(
+            without_row_locks(BURY_EXPIRED, EXPIRED_RECHECK, EXPIRED_JOINED)
+        )
+        self._citus_delete_tombstones = statement(
+            without_row_locks(DELETE_TOMBSTONES, TOMBSTONE_RECHECK, TOMBSTONE_JOINED)
         )
         self._citus_mark_abandoned = statement(
             abandoned_without_row_locks(MARK_ABANDONED), dead_owner=sql.SQL(DEAD_OWNER)
@@ -91,20 +95,18 @@ class Maintenance:
 
     def delete_expired(self, batch_size: int) -> Buried:
         """Delete one batch of finished keys past ``expires_at``, leaving a tombstone of each
-        completed one (SPEC §24; none on Citus yet, nor with IDEMPOTENCY_TOMBSTONE_TTL = 0)."""
+        completed one (SPEC §24; none with IDEMPOTENCY_TOMBSTONE_TTL = 0)."""
         params = {"batch": batch_size, "tombstone_ttl": self.store.tombstone_seconds}
-        if self.store.citus:
-            return Buried(self.store.run(self._citus_delete_expired, params)[0], 0)
-        row = self.store.run(self._bury_expired, params)[1]
+        bury = self._citus_bury_expired if self.store.citus else self._bury_expired
+        row = self.store.run(bury, params)[1]
         assert row is not None
         return Buried(int(row[0]), int(row[1]))
 
     def delete_tombstones(self, batch_size: int) -> int:
         """Delete one batch of tombstones past ``IDEMPOTENCY_TOMBSTONE_TTL``; how many."""
-        if self.store.citus:  # none left there yet
-            return 0
         params = {"batch": batch_size, "tombstone_ttl": self.store.tombstone_seconds}
-        return self.store.run(self._delete_tombstones, params)[0]
+        delete = self._citus_delete_tombstones if self.store.citus else self._delete_tombstones
+        return self.store.run(delete, params)[0]
 
     def count_expired(self) -> int:
         """How many finished keys are past ``expires_at``."""

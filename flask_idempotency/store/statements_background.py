@@ -224,17 +224,7 @@ LIMIT %(limit)s
 
 # -- the operators ---------------------------------------------------------------------------
 
-DELETE_EXPIRED = """
-WITH doomed AS (
-    SELECT tenant, key FROM {table}
-    WHERE status IN ('completed', 'retryable') AND expires_at <= now()
-    LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {table} AS k USING doomed
-WHERE k.tenant = doomed.tenant AND k.key = doomed.key
-"""
-
-# The cleaner's batch on one PostgreSQL (SPEC §24): DELETE_EXPIRED, with a tombstone left
+# The cleaner's batch (SPEC §24): the finished keys past their expiry deleted, a tombstone left
 # of each completed key whose answer expired less than the tombstones' TTL ago (a key
 # already past that leaves none), in the same statement: a claim sees the key's row or its
 # tombstone, never neither. A tombstone of the same key left earlier (the key was used

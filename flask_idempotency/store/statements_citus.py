@@ -67,8 +67,15 @@ WITH seen AS (
            extract(epoch FROM now() - updated_at) AS idle_for,
            extract(epoch FROM locked_until - now()) AS lease_left
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
+), buried AS (
+    SELECT fingerprint, first_status, completed_at, expired_at FROM {tombstones}
+    WHERE tenant = %(tenant)s AND key = %(key)s
+      AND expired_at > now() - make_interval(secs => %(tombstone_ttl)s)
 ), intent AS (
     SELECT CASE
+        WHEN seen.status IS NULL AND buried.fingerprint <> %(fingerprint)s THEN 'mismatch'
+        WHEN seen.status IS NULL AND (buried.fingerprint IS NOT NULL OR %(stale)s)
+            THEN 'expired'
 """
     + SETTLED_DECISIONS
     + """        WHEN seen.lease_over THEN
@@ -76,7 +83,7 @@ WITH seen AS (
                 WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
         ELSE 'in_progress'
     END AS decision
-    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true{commit_mode}
+    FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN buried ON true{commit_mode}
 ), fresh AS (
     SELECT (extract(epoch FROM now()) * 1000000)::bigint AS generation, now() AS at,
            now() + make_interval(secs => %(lease)s) AS locked_until,
@@ -122,15 +129,17 @@ WITH seen AS (
 )
 SELECT intent.decision, taken.attempt, taken.generation, taken.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
-       seen.response_status, seen.response_headers, seen.response_body, seen.expires_in,
-       seen.expires_at, seen.idle_for, seen.lease_left, NULL::bigint AS free_owner,
-       seen.updated_at,
+       coalesce(seen.response_status, buried.first_status), seen.response_headers,
+       seen.response_body, seen.expires_in, coalesce(seen.expires_at, buried.expired_at),
+       seen.idle_for, seen.lease_left, NULL::bigint AS free_owner,
+       coalesce(seen.updated_at, buried.completed_at),
        coalesce(lock.granted AND intent.decision = 'claimed' AND seen.status IS NULL, false)
            AS insert_new
 FROM intent
 LEFT JOIN lock ON true
 LEFT JOIN taken ON true
 LEFT JOIN seen ON true
+LEFT JOIN buried ON true
 """
 )
 
@@ -200,6 +209,9 @@ RECONCILE_RECHECK = " AND k.status = 'unknown' AND (k.reconcile_due_at <= now() 
 #: the cleaner's expired keys, checked again by the deletion
 EXPIRED_RECHECK = " AND k.status IN ('completed', 'retryable') AND k.expires_at <= now()"
 EXPIRED_JOINED = "WHERE k.tenant = doomed.tenant AND k.key = doomed.key\n"
+#: the tombstones past their TTL, checked again by their deletion
+TOMBSTONE_RECHECK = " AND t.expired_at <= now() - make_interval(secs => %(tombstone_ttl)s)"
+TOMBSTONE_JOINED = "WHERE t.tenant = past.tenant AND t.key = past.key\n"
 
 #: the claims the cleaner marks abandoned, checked again by its marking
 ABANDONED_RECHECK = (

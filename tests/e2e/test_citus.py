@@ -617,6 +617,7 @@ def test_the_request_paths_plans_are_one_task(
         "owner_pid": 1,
         "gone_owner": None,
         "tombstone_ttl": 30 * 24 * 3600.0,
+        "stale": False,
     }
     fence = {**key, "attempt": 1, "generation": 1}
     response = {"response_status": 201, "response_headers": None, "response_body": b"{}"}
@@ -711,9 +712,24 @@ def test_cleaner_reconciler_cli_and_console_on_the_distributed_tables(
     query(
         citus.url, f"UPDATE {keys_table} SET expires_at = now() - interval '1 s' WHERE key = 's1'"
     )
+    # past its expiry, before the cleaner: its row answers key-expired (SPEC §24)
+    before = send("/staged", "s1", "acme")
+    assert before.status_code == 409 and before.json["type"].endswith("key-expired")
     result = cli.invoke(args=["idempotency-clean"])
     assert result.exit_code == 0, result.output
+    assert "left 1 tombstones" in result.output, result.output
     assert status("acme", "s1") == []
+    # its tombstone, on the key's shard, answers for it (SPEC §24): never run again
+    tombstones = names["IDEMPOTENCY_TABLE"] + "_tombstones"
+    assert query(citus.url, f"SELECT key, first_status FROM {tombstones}") == [("s1", 201)]
+    expired = send("/staged", "s1", "acme")
+    assert expired.status_code == 409 and expired.json["first_status"] == 201, expired.json
+    assert expired.json["type"].endswith("key-expired")
+    other = client.post(
+        "/staged", data=b"{}", headers={"Idempotency-Key": "s1", "X-Tenant": "acme"}
+    )
+    assert other.status_code == 422, other.json
+    assert query(citus.url, f"SELECT count(*) FROM {names['IDEMPOTENCY_JOBS_TABLE']}") == [(1,)]
 
     # the operators' CLI and the console: pages, and a change with its audit row
     result = cli.invoke(args=["idempotency-list", "--tenant", "globex"])
