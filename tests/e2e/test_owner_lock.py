@@ -36,8 +36,11 @@ from tests.support.gunicorn_server import GunicornServer, Response, post, ppid_o
 from tests.support.helpers import DB
 
 APP = "tests.apps.ops_app:create_app()"
-#: from a worker's death to its client's retry's answer, at most (SPEC §20)
-DEATH_TO_ANSWER = 2.0
+#: from a worker's death to its client's retry's answer, at most, here. SPEC §20 promises
+#: 2 s, and bench/owner_takeover.py measures it; a test on a loaded 2-core machine allows
+#: 5x that (a fresh-clone CI run beside other work once took 2.07 s). What it proves cannot
+#: vary: the claim was freed by its owner's death, not by its lease (60 s) ending.
+DEATH_TO_ANSWER = 10.0
 #: how often a client retries a key in flight
 RETRY_EVERY = 0.2
 
