@@ -302,6 +302,13 @@ class Idempotency:
 
         return decorator(view) if view is not None else decorator
 
+    def close(self, app: Flask | None = None) -> None:
+        """Give back *app*'s connections now (default: the current app): this process's
+        pool, its owner lock's session and its listener's. They open again on the next
+        use. An app that is dropped gives them back by itself once it is collected;
+        this is for those who want it at once (a test's teardown, a worker's shutdown)."""
+        get_state(app).close()
+
     def dispatcher(self, fn: D) -> D:
         """Register ``fn(job)``, which hands a committed staged job to a real queue;
         ``flask idempotency-dispatch`` runs it. A job is forgotten only after *fn*

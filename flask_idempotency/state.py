@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app
@@ -49,6 +51,15 @@ class IdempotencyState:
     _routes: dict[int, RouteSettings] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        #: this process's listener once made, where the finalizer finds it (a finalizer must
+        #: not hold the state it waits for)
+        self._listeners: list[CompletionWaiter] = []
+        # A state that is dropped (its app collected: a test's app built per test, as
+        # Flask's testing docs write fixtures) gives its connections back without anyone
+        # calling close() (SPEC §23): the pool, the owner lock, the listener. Not at the
+        # interpreter's exit, where the pool's and the owner's own exit hooks do it.
+        finalizer = weakref.finalize(self, _release, self.store, self._listeners)
+        finalizer.atexit = False
         #: the operators' statements on the same store
         self.maintenance = Maintenance(self.store)
         #: the background's statements (completer, reconciler, dispatcher) on the same store
@@ -86,7 +97,21 @@ class IdempotencyState:
                 conninfo, self.store.channel, self.settings.pool_timeout, poll
             )
             self._waiter_pid = os.getpid()
+            self._listeners[:] = [self._waiter]
         return self._waiter
+
+
+def _release(store: PostgresStore, listeners: list[CompletionWaiter]) -> None:
+    """Close a dropped state's connections, on a thread of its own: the garbage collector
+    may run this on any thread, the owner's or a pool worker's too, which could not wait
+    for itself to stop."""
+
+    def close() -> None:
+        store.close()
+        for listener in listeners:
+            listener.close()
+
+    threading.Thread(target=close, name="flask-idempotency-release", daemon=True).start()
 
 
 def get_state(app: Flask | None = None) -> IdempotencyState:

@@ -31,6 +31,8 @@ import pytest
 from .service import DATABASE_URL_ENV
 
 if TYPE_CHECKING:
+    import weakref
+
     from flask import Flask
     from flask.testing import FlaskClient
     from werkzeug.test import TestResponse
@@ -53,7 +55,7 @@ __all__ = [
 
 # the fixture whose tests get their apps' pools closed at teardown
 _FIXTURE = "idempotency_database"
-_built_apps = pytest.StashKey[list["Flask"]]()
+_built_apps: pytest.StashKey[weakref.WeakSet[Flask]] = pytest.StashKey()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +21,10 @@ from .proxy import TcpProxy
 
 __all__ = ["close_recorded", "partitioned", "start_recording"]
 
-#: the lists of the tests now recording (one at a time, but nested sessions exist:
-#: pytester's in-process runs)
-_recording: list[list[Flask]] = []
+#: the apps of the tests now recording (one at a time, but nested sessions exist:
+#: pytester's in-process runs), held weakly: an app the test drops is collected, and its
+#: connections given back, without waiting for the test's end (SPEC §23)
+_recording: list[weakref.WeakSet[Flask]] = []
 _original_init_app = Idempotency.init_app
 
 
@@ -30,26 +32,26 @@ _original_init_app = Idempotency.init_app
 def _recorded_init_app(self: Idempotency, app: Flask, **kwargs: Any) -> None:
     _original_init_app(self, app, **kwargs)
     for apps in _recording:
-        apps.append(app)
+        apps.add(app)
 
 
-def start_recording() -> list[Flask]:
-    """From now on, every app ``Idempotency.init_app`` initialises is appended to the
-    returned list, until :func:`close_recorded` closes them."""
-    apps: list[Flask] = []
+def start_recording() -> weakref.WeakSet[Flask]:
+    """From now on, every app ``Idempotency.init_app`` initialises is added to the
+    returned set, until :func:`close_recorded` closes those still alive."""
+    apps: weakref.WeakSet[Flask] = weakref.WeakSet()
     _recording.append(apps)
     Idempotency.init_app = _recorded_init_app  # type: ignore[method-assign]
     return apps
 
 
-def close_recorded(apps: list[Flask]) -> None:
+def close_recorded(apps: weakref.WeakSet[Flask]) -> None:
     """Stop recording into *apps* and close each one's pool (a pool passed to
     ``init_app`` is the caller's) and listener, and dispose of its Flask-SQLAlchemy
     engines (their pools: the app's own ORM connections)."""
     _recording[:] = [r for r in _recording if r is not apps]
     if not _recording:
         Idempotency.init_app = _original_init_app  # type: ignore[method-assign]
-    for app in apps:
+    for app in list(apps):
         state = app.extensions.get("idempotency")
         if state is not None:
             state.close()
