@@ -358,11 +358,19 @@ class Exchange:
     #: ``time.time()`` when the answer (or the error) came, beside the runs' times
     at: float = dataclasses.field(default_factory=time.time)
 
+    @property
+    def pending(self) -> bool:
+        """A ``202 Accepted`` of an ``asynchronous=True`` route's key still at work (SPEC
+        §10: ``Retry-After``, never a replay): not the key's answer, which comes later."""
+        return self.status == 202 and not self.replayed and self.retry_after is not None
+
     def label(self) -> str:
         if self.status is None:
             return self.error
         if self.problem:
             return f"{self.status} {self.problem}"
+        if self.pending:
+            return "202 accepted"
         return f"{self.status}{' replay' if self.replayed else ''}"
 
 
@@ -375,6 +383,9 @@ class Intent:
     request: Request
     exchanges: list[Exchange] = dataclasses.field(default_factory=list)
     ack: Exchange | None = None  #: the first 2xx: what the client was told happened
+    #: the first ``202 Accepted`` of an asynchronous route's key, followed by retries to
+    #: the key's answer (the ack), which every later one must replay
+    accepted: Exchange | None = None
     final: bool = False
     next_at: float = 0.0
 
@@ -386,6 +397,9 @@ class Intent:
             self.next_at = now + ERROR_RETRY
         elif answer.replayed and not 200 <= status < 300:
             self.final = True  # a stored answer: no retry can change it (a finding if 5xx)
+        elif answer.pending:
+            self.accepted = self.accepted or answer
+            self.next_at = now + min(answer.retry_after or 1.0, RETRY_AFTER_CAP)
         elif 200 <= status < 300:
             self.ack = self.ack or answer
             self.final = True
@@ -505,8 +519,12 @@ class _Client:
         return intent, "first"
 
     def acked(self, path: str) -> bool:
+        """A request to *path* was answered 2xx (an asynchronous route's 202 counts)."""
         with self.lock:
-            return any(i.ack is not None and i.request.path == path for i in self.intents)
+            return any(
+                (i.ack or i.accepted) is not None and i.request.path == path
+                for i in self.intents
+            )
 
 
 def _run_clients(

@@ -10,7 +10,7 @@ the environment only:
 - ``FAULT_EXECUTIONS_URL``: the database holding ``fault_executions``, on a server the faults
   never touch, so that "the view ran twice" can always be read.
 
-Three routes, one per kind of view the at-most-once promise covers differently:
+Four routes, one per kind of view the at-most-once promise covers differently:
 
 - ``POST /charge`` (``on_abandoned="unknown"``, ``complete=True``): re-running it would be
   harmful (think of a card charge). Its execution row *is* its effect: the reconciler
@@ -20,6 +20,10 @@ Three routes, one per kind of view the at-most-once promise covers differently:
   not at all; a rolled-back attempt may run again, but at most one ledger row may commit.
 - ``POST /note``: a plain route under the app-wide ``on_abandoned="retry"``: a takeover may run
   it again as the next attempt, never the same attempt twice.
+- ``POST /statement`` (``asynchronous=True``): answered 202 at once, run by
+  ``flask idempotency-complete`` (one of the faults, and cron's drain); its clients retry until
+  the key's answer, which every later request must replay (SPEC §10). Like ``/note``, a
+  takeover may run it again as the next attempt, never the same attempt twice.
 
 Every execution is recorded (route, tenant, key, attempt, pid, the exact body answered, and
 whether the completer ran it) before the view's optional ``X-Delay``, so a fault can hit the
@@ -182,5 +186,10 @@ def create_app() -> Flask:
     @idempotency.idempotent
     def note() -> Response:
         return answer(execute("note"))
+
+    @app.post("/statement")
+    @idempotency.idempotent(asynchronous=True)
+    def statement() -> Response:
+        return answer(execute("statement"))
 
     return app

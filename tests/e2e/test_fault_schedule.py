@@ -13,7 +13,8 @@ adds is what it knows of its own app (tests/apps/fault_app.py):
   execution, ``/transfer`` (``transactional=True``) at most one committed ledger row;
   ``/note`` (plain, ``"retry"``) has none of its own, and the plugin's checks cover it: never
   the same attempt twice, never taken over while its owner lives;
-- its requests: three routes, some slow so that faults hit them mid-view, a few running two to
+- its requests: four routes (one ``asynchronous=True``: answered 202, its key followed to
+  its answer), some slow so that faults hit them mid-view, a few running two to
   three times the lease (which their live owner renews);
 - its own checks (``check=``): no unexpected traceback in gunicorn's log or the commands'
   output, enough answers, the faults showing as retries and 503 answers, and an execution
@@ -61,7 +62,7 @@ SETTINGS: dict[str, Any] = {
 }
 
 #: the routes of tests/apps/fault_app.py and how many of every hundred new keys go to each
-ROUTES = (("charge", 45), ("transfer", 30), ("note", 25))
+ROUTES = (("charge", 40), ("transfer", 25), ("note", 20), ("statement", 15))
 LONG_SHARE = 0.06  # of a route's keys: the view runs two to three leases (SPEC §20: renewed)
 SLOW_SHARE = 0.35  # of a route's keys: the view takes 0.3 to 1.5 s
 SLOW_DELAY = (0.3, 1.5)

@@ -1,7 +1,9 @@
-"""The fault schedule's check of expired keys (SPEC §24), on made-up histories: a key
-answered 409 key-expired is final, never runs again, and names the status its client was
-acknowledged. The schedule itself runs in tests/e2e/test_fault_schedule.py; here each rule
-is shown to fail when broken, which a passing schedule cannot show."""
+"""The fault schedule's checks on made-up histories. Expired keys (SPEC §24): a key answered
+409 key-expired is final, never runs again, and names the status its client was
+acknowledged. Asynchronous routes (SPEC §10): their 202 Accepted is followed to the key's
+answer, which later requests must replay. The schedule itself runs in
+tests/e2e/test_fault_schedule.py; here each rule is shown to fail when broken, which a
+passing schedule cannot show."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import json
 
 from flask_idempotency.testing.faults import (
     Exchange,
+    FaultReport,
     Intent,
     Request,
     Run,
+    _ack_violations,
     _expiry_violations,
 )
 
@@ -60,3 +64,52 @@ def test_an_expired_answer_without_a_first_status_is_a_violation() -> None:
     for nasty in (None, "201", float("nan"), [201]):
         found = _expiry_violations(intent(expired(10.0, first_status=nasty)), [])
         assert found == ["answered key-expired without the first answer's status"], nasty
+
+
+def accepted(at: float) -> Exchange:
+    body = b'{"status": "processing"}'
+    return Exchange("first", 0.0, 0.0, 202, body=body, retry_after=1.0, at=at)
+
+
+def answered(at: float, body: bytes, purpose: str = "retry") -> Exchange:
+    return Exchange(purpose, at, at, 201, replayed=True, body=body, at=at)
+
+
+def report() -> FaultReport:
+    return FaultReport(
+        seed=1,
+        events=[],
+        violations=[],
+        intents=[],
+        runs={},
+        outages=[],
+        commands=[],
+        logs={},
+        timings={},
+        seconds=0.0,
+    )
+
+
+def test_an_accepted_202_is_followed_to_the_keys_answer() -> None:
+    followed = intent(accepted(1.0))
+    assert followed.accepted is not None and followed.ack is None and not followed.final
+    followed.exchanges.append(answered(5.0, b'{"id": 1}'))
+    followed.absorb(followed.exchanges[-1])
+    assert followed.final and followed.ack is followed.exchanges[-1]
+
+
+def test_the_answer_after_the_202_is_what_later_requests_must_replay() -> None:
+    followed = intent(accepted(1.0), answered(5.0, b'{"id": 1}'))
+    assert followed.ack is not None
+    same = answered(9.0, b'{"id": 1}', "verify")
+    followed.exchanges.append(same)
+    assert _ack_violations(report(), followed, followed.ack, []) == []
+    followed.exchanges.append(answered(10.0, b'{"id": 2}', "duplicate"))
+    found = _ack_violations(report(), followed, followed.ack, [])
+    assert found and "later 2xx differ" in found[0]
+
+
+def test_a_202_without_retry_after_is_an_answer() -> None:
+    """A view's own 202 (no Retry-After) is its answer, not work in progress."""
+    own = Exchange("first", 0.0, 0.0, 202, body=b"{}", at=1.0)
+    assert intent(own).ack is own
