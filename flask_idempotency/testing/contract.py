@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask
 from werkzeug.datastructures import Headers
 
+from ..background.completer import run_deferred
 from ..config import DEFAULTS, ROUTE_OPTIONS, RouteSettings, config_key, convert_option
 from ..errors import PROBLEM_MEDIA_TYPE
+from ..keys import load_tenant
 from ..openapi import route_options
 from ..state import EXTENSION_NAME, get_state
 
@@ -134,7 +136,13 @@ def check_contract(
     if route.replayed(first):
         failures.append(f"first: a fresh key was answered as a replay ({_describe(first)})")
     cases: list[Callable[[_Route, str, TestResponse], list[str]]]
-    if first.status_code in route.settings.release_statuses:
+    not_followed: list[str] = []
+    if route.known and route.settings.asynchronous:
+        first, not_followed = _followed(route, key, first)
+        failures += not_followed
+    if not_followed:
+        cases = []
+    elif first.status_code in route.settings.release_statuses:
         cases = [_release_status]
     else:
         cases = [_replay, _key_reused]
@@ -224,10 +232,33 @@ def _another_text(text: str, marker: str) -> str:
     return json.dumps(_another_body(parsed))
 
 
+def _followed(route: _Route, key: str, accepted: TestResponse) -> tuple[TestResponse, list[str]]:
+    """An ``asynchronous=True`` route's first answer, 202 Accepted with a ``Location``
+    (SPEC §10), followed to the key's answer: its work run now, as a worker runs it, then
+    the first request sent again. That answer is the one every retry must replay."""
+    if accepted.status_code != 202 or "Location" not in accepted.headers:
+        return accepted, [
+            f"asynchronous: the first request answered {_describe(accepted)}, not 202"
+            " Accepted with a Location"
+        ]
+    app: Flask = route.client.application
+    state = get_state(app)
+    kwargs = {k: v for k, v in route.kwargs.items() if k in ("headers", "query_string")}
+    with app.test_request_context(route.path, method=route.method, **kwargs):
+        tenant = load_tenant(state.extension.load_tenant)
+    with app.app_context():
+        ran = run_deferred(app, tenant, key)
+    answer = route.send("answer", key)
+    if ran is None or answer.status_code == 202:
+        return answer, [
+            f"asynchronous: the key's work did not run to its answer ({key!r}, tenant"
+            f" {tenant!r}): the request then answered {_describe(answer)}"
+        ]
+    return answer, []
+
+
 def _replay(route: _Route, key: str, first: TestResponse) -> list[str]:
     """The same key and body again: the first answer, byte for byte, marked as a replay."""
-    if route.settings.asynchronous:  # 202 and a Location to poll: not a replay to compare
-        return []
     again = route.send("replay", key)
     failures = []
     if not route.replayed(again):

@@ -103,3 +103,38 @@ def test_a_route_that_takes_its_key_from_the_body_is_refused(database_url: str) 
 
     with pytest.raises(ValueError, match=r"key="):
         check_contract(app.test_client(), "POST", "/hooks", {"id": "evt_1"})
+
+
+def asynchronous_app(database_url: str, tenant: Callable[[], str]) -> Flask:
+    """An app with one ``asynchronous=True`` route whose answer is new at every run."""
+    app = Flask(__name__)
+    app.config["IDEMPOTENCY_DATABASE_URL"] = database_url
+    idempotency = Idempotency(app)
+    idempotency.tenant_loader(tenant)
+
+    @app.post("/statements")
+    @idempotency.idempotent(asynchronous=True)
+    def statement() -> tuple[dict[str, str], int]:
+        return {"statement": str(uuid.uuid4())}, 201
+
+    return app
+
+
+def test_an_asynchronous_route_is_followed_from_its_202_to_its_answer(
+    database_url: str,
+) -> None:
+    """SPEC §10, §23: the 202 is not the answer; the key's work runs as a worker runs it,
+    and the answer it stores is what the replay case compares."""
+    app = asynchronous_app(database_url, lambda: "acme")
+    client = app.test_client()
+    assert check_contract(client, "POST", "/statements", {"amount": 1}) == []
+
+
+def test_an_asynchronous_key_that_cannot_be_followed_fails_in_one_line(
+    database_url: str,
+) -> None:
+    """A tenant loader that names another tenant at every call (a bug: the key's work is
+    then looked for under a tenant that has none): the check says the work did not run."""
+    app = asynchronous_app(database_url, lambda: uuid.uuid4().hex)
+    found = check_contract(app.test_client(), "POST", "/statements", {"amount": 1})
+    assert len(found) == 1 and found[0].startswith("asynchronous: the key's work did not run")
