@@ -282,7 +282,10 @@ def run_fault_schedule(
 
     The schedule, drawn from *seed* (None: ``IDEMPOTENCY_FAULT_SEED`` when set, else a
     random one), does every kind of fault once, then more for about *seconds* (below 30 s
-    the pauses are shortened in proportion): ``kill -9`` of a busy worker, PostgreSQL
+    the pauses are shortened in proportion): volleys of ``kill -9`` aimed inside views,
+    one at each route of *requests* (the least hit first, at a drawn point into a run of
+    it; ``report.kills`` and ``report.kills_in_views()`` say where each landed, and a
+    violation's key story names the kill that hit it), PostgreSQL
     stopped ``-m fast`` and ``-m immediate`` and started again, every backend of the
     database terminated, a partition, ``SIGHUP`` to gunicorn, and ``flask
     idempotency-clean``, ``idempotency-complete`` and ``idempotency-reconcile`` as fresh

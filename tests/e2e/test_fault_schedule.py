@@ -63,6 +63,9 @@ SETTINGS: dict[str, Any] = {
 
 #: the routes of tests/apps/fault_app.py and how many of every hundred new keys go to each
 ROUTES = (("charge", 40), ("transfer", 25), ("note", 20), ("statement", 15))
+#: the routes whose views run in the workers, some slowly: the kills must land in each
+#: (the asynchronous one runs in the completer)
+SLOW_ROUTES = ("charge", "transfer", "note")
 LONG_SHARE = 0.06  # of a route's keys: the view runs two to three leases (SPEC §20: renewed)
 SLOW_SHARE = 0.35  # of a route's keys: the view takes 0.3 to 1.5 s
 SLOW_DELAY = (0.3, 1.5)
@@ -168,6 +171,10 @@ def project_problems(report: FaultReport, effects: Effects) -> list[str]:
         found.append(
             f"harness: the faults did not show: {retries} retries, {unavailable} 503 answers"
         )
+    landed = report.kills_in_views()
+    missed = [f"/{route}" for route in SLOW_ROUTES if not landed.get(f"/{route}")]
+    if missed:
+        found.append(f"harness: no kill landed in a view of {missed} (landed: {landed})")
     effects.read()
     unrecorded = [
         i.key

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import json
 
-from flask_idempotency.testing.faults import (
-    Exchange,
-    FaultReport,
-    Intent,
-    Request,
-    Run,
-    _ack_violations,
-    _expiry_violations,
-)
+from flask_idempotency.testing.faults.checker import _ack_violations, _expiry_violations
+from flask_idempotency.testing.faults.clients import Exchange, Intent, Request
+from flask_idempotency.testing.faults.record import Run
+from flask_idempotency.testing.faults.report import FaultReport
 
 REQUEST = Request("POST", "/charge", b"{}")
 

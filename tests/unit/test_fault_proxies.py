@@ -1,13 +1,14 @@
-"""The fault schedule's proxy in front of the store (flask_idempotency/testing/faults.py): one
-proxy for a URL of one server, one per host for a multi-host URL (an HA cluster's nodes), so
-that libpq's ``target_session_attrs`` still chooses among them through the proxies."""
+"""The fault schedule's proxy in front of the store (flask_idempotency/testing/faults/
+nemesis.py): one proxy for a URL of one server, one per host for a multi-host URL (an HA
+cluster's nodes), so that libpq's ``target_session_attrs`` still chooses among them through
+the proxies."""
 
 from __future__ import annotations
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from flask_idempotency.testing.faults import _Proxies, _servers
+from flask_idempotency.testing.faults.nemesis import _Proxies, _servers
 
 CLUSTER = (
     "postgresql://postgres@127.0.0.1:6001,127.0.0.1:6002,127.0.0.1:6003/postgres"
