@@ -30,7 +30,7 @@ import os
 import random
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,15 +209,21 @@ def seeds_of_run() -> list[int]:
 SEEDS = seeds_of_run()
 
 
-@pytest.mark.timeout(int(FAULT_SECONDS) + 200)
-@pytest.mark.parametrize("run", range(len(SEEDS)), ids=lambda n: f"seed{n}")
-def test_fault_schedule_runs_no_view_twice(
-    run: int, store: PostgresServer, database_url: str, tmp_path: Path
+def schedule(
+    seed: int,
+    name: str,
+    store: PostgresServer,
+    database_url: str,
+    logs: Path,
+    check: Callable[[FaultReport, str], list[str]] | None = None,
+    **settings: Any,
 ) -> None:
-    seed = SEEDS[run]
+    """One schedule of *seed* against the fault app, its keys under a tenant of their own,
+    with *settings* beside the run's SETTINGS and *check*'s problems beside the project's;
+    fails with the report."""
     repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_FAULT_SECONDS={FAULT_SECONDS:g}"
     print(f"seed {seed} (repeat with {repeat})")
-    tenant = f"faults-{seed}-{uuid.uuid4().hex[:8]}"
+    tenant = f"{name}-{seed}-{uuid.uuid4().hex[:8]}"
     create_tables(store.url, database_url)
     effects = Effects(tenant, store.url, database_url)
     report = run_fault_schedule(
@@ -228,17 +234,28 @@ def test_fault_schedule_runs_no_view_twice(
         seconds=FAULT_SECONDS,
         seed=seed,
         effects=effects,
-        env=environment(database_url, **SETTINGS),
+        env=environment(database_url, **{**SETTINGS, **settings}),
         headers={"X-Tenant": tenant},
         workers=3,
         clients=4,
         settle=30,  # the lease is 2 s
         cwd=ROOT,
-        logs=tmp_path,
-        check=lambda report: project_problems(report, effects),
+        logs=logs,
+        check=lambda report: [
+            *project_problems(report, effects),
+            *(check(report, tenant) if check is not None else []),
+        ],
     )
     print(report.summary())
     assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"
+
+
+@pytest.mark.timeout(int(FAULT_SECONDS) + 200)
+@pytest.mark.parametrize("run", range(len(SEEDS)), ids=lambda n: f"seed{n}")
+def test_fault_schedule_runs_no_view_twice(
+    run: int, store: PostgresServer, database_url: str, tmp_path: Path
+) -> None:
+    schedule(SEEDS[run], "faults", store, database_url, tmp_path)
 
 
 #: the keys' TTL of the run where keys expire under the faults (SPEC §24): an answer is kept
@@ -272,31 +289,10 @@ def test_keys_expiring_under_the_faults_are_answered_never_run_again(
     """SPEC §24 under the schedule: with answers kept 3 s, retries, duplicates and the final
     look meet keys past their life; each is answered 409 key-expired naming the status the
     client was acknowledged, and no view runs under it again (the plugin's checks)."""
-    seed = seeds_of_run()[-1]
-    repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_FAULT_SECONDS={FAULT_SECONDS:g}"
-    print(f"seed {seed} (repeat with {repeat})")
-    tenant = f"expiry-{seed}-{uuid.uuid4().hex[:8]}"
-    create_tables(store.url, database_url)
-    effects = Effects(tenant, store.url, database_url)
-    report = run_fault_schedule(
-        APP,
-        REQUESTS,
-        database=store.url,
-        server=store,
-        seconds=FAULT_SECONDS,
-        seed=seed,
-        effects=effects,
-        env=environment(database_url, **SETTINGS, ttl=SHORT_TTL),
-        headers={"X-Tenant": tenant},
-        workers=3,
-        clients=4,
-        settle=30,
-        cwd=ROOT,
-        logs=tmp_path,
-        check=lambda report: [
-            *project_problems(report, effects),
-            *expiry_problems(report, store.url, tenant),
-        ],
+
+    def met_expired_keys(report: FaultReport, tenant: str) -> list[str]:
+        return expiry_problems(report, store.url, tenant)
+
+    schedule(
+        seeds_of_run()[-1], "expiry", store, database_url, tmp_path, met_expired_keys, ttl=SHORT_TTL
     )
-    print(report.summary())
-    assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"
