@@ -196,6 +196,17 @@ SELECT citus_is_coordinator(),
 DISTRIBUTE = (
     "SELECT create_distributed_table(%(table)s::regclass, 'tenant', colocate_with => %(with)s)"
 )
+# The distribution column of the table IDEMPOTENCY_COLOCATE_WITH names: its name, its type
+# and the type's category ('S': a string type), or no row when it is not a distributed table.
+COLOCATED_TENANT = """
+SELECT a.attname, format_type(a.atttypid, a.atttypmod), t.typcategory
+FROM pg_dist_partition AS p
+JOIN pg_attribute AS a
+  ON a.attrelid = p.logicalrelid
+ AND a.attname = column_to_column_name(p.logicalrelid, p.partkey)
+JOIN pg_type AS t ON t.oid = a.atttypid
+WHERE p.logicalrelid = to_regclass(%(table)s) AND p.partmethod = 'h'
+"""
 # The heartbeats (one row per command and host, written once a batch): on every node.
 REFERENCE = "SELECT create_reference_table(%(table)s::regclass)"
 #: the primary keys of the jobs and audit tables: on Citus, a unique constraint must hold

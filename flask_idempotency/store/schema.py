@@ -35,12 +35,14 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
+from ..errors import StoreError
 from ..keys import lock_id
 from .ddl import (
     ADD_COLUMN,
     AUDIT_KEY,
     AUDIT_KEY_DISTRIBUTED,
     CITUS_STATE,
+    COLOCATED_TENANT,
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,
     DISTRIBUTE,
@@ -369,6 +371,8 @@ class Schema:
                 " to it. Run flask idempotency-init against the coordinator."
             )
         created = self._missing(state)
+        if created and state.citus:
+            self._tenant_type(conn)  # a refusal before anything is made: all or nothing
         if created:
             self._create_all(conn, state)
             self.created = [
@@ -507,12 +511,48 @@ class Schema:
             audit: self._regclass["table"],
             tombstones: self._regclass["table"],
         }
+        tenant_type = self._tenant_type(conn)
         for name in self._undistributed(state):
             if name == heartbeats:
                 conn.execute(REFERENCE, {"table": name}, prepare=False)
-            else:
-                conn.execute(DISTRIBUTE, {"table": name, "with": colocate[name]}, prepare=False)
+                continue
+            if tenant_type is not None:
+                # the name is the regclass text of _regclass: every part quoted already;
+                # the type is format_type()'s, as PostgreSQL writes it
+                alter = f"ALTER TABLE {name} ALTER COLUMN tenant TYPE {tenant_type}"
+                conn.execute(sql.SQL(alter), prepare=False)
+            conn.execute(DISTRIBUTE, {"table": name, "with": colocate[name]}, prepare=False)
             logger.info("distributed table %s on Citus", name)
+
+    def _tenant_type(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The type the tenant columns take to be co-located with
+        ``IDEMPOTENCY_COLOCATE_WITH`` on Citus: its distribution column's, when that is
+        another type of text than ``text`` (``varchar(64)``, what Flask-SQLAlchemy's
+        ``Mapped[str]`` makes; Citus co-locates only columns of one type), else None.
+
+        :raises StoreError: the table is not a distributed table, or its distribution
+            column is not text: one line naming it, before anything is made.
+        """
+        if self.colocate_with is None or self.colocate_with in ("default", "none"):
+            return None
+        row = conn.execute(COLOCATED_TENANT, {"table": self.colocate_with}, prepare=False)
+        found = row.fetchone()
+        if found is None:
+            raise StoreError(
+                f"IDEMPOTENCY_COLOCATE_WITH = {self.colocate_with!r}: no such distributed table"
+                " (create_distributed_table it first, by its tenant column)",
+                outage=False,
+            )
+        column, type_name, category = found
+        if category != "S":
+            raise StoreError(
+                f"IDEMPOTENCY_COLOCATE_WITH = {self.colocate_with!r}: its distribution column"
+                f" {column} is {type_name}, and the extension's tenant column is text; Citus"
+                " co-locates only columns of one type: distribute that table by a text"
+                " column, or leave IDEMPOTENCY_COLOCATE_WITH unset. Nothing was created.",
+                outage=False,
+            )
+        return None if type_name == "text" else str(type_name)
 
     def _lacks_jobs(self, state: SchemaState) -> bool:
         return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)

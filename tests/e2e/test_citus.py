@@ -743,3 +743,60 @@ def test_cleaner_reconciler_cli_and_console_on_the_distributed_tables(
         answer = client.get("/idempotency/console" + page)
         assert answer.status_code == 200, (page, answer.get_data(as_text=True)[:2000])
     assert "u1" in client.get("/idempotency/console/keys").get_data(as_text=True)
+
+
+def test_colocated_with_a_varchar_tenant_column(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    """Flask-SQLAlchemy's ``Mapped[str]`` makes ``character varying``: the extension's
+    tenant columns take that type, so Citus co-locates them, and a key is claimed, replayed
+    and refused with another body, each as one task on the shard's node."""
+    accounts = f"{names['IDEMPOTENCY_TABLE']}_accounts"
+    query(citus.url, f"CREATE TABLE {accounts} (tenant varchar(64) NOT NULL, balance integer)")
+    query(citus.url, "SELECT create_distributed_table(%s, 'tenant', shard_count => 8)", accounts)
+    app = node_app(citus.url, IDEMPOTENCY_COLOCATE_WITH=accounts, **names)
+    result = init(app)
+    assert result.exit_code == 0, result.output
+    wanted = partitions(citus.url, {"accounts": accounts})[accounts][1]
+    found = partitions(citus.url, names)
+    assert [found[names[key]][1] for key in names if key != "IDEMPOTENCY_HEARTBEATS_TABLE"] == [
+        wanted
+    ] * 3
+    idempotency = app.extensions["idempotency"].extension
+    idempotency.tenant_loader(lambda: "acme")
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> tuple[dict[str, str], int]:
+        return {"paid": str(uuid.uuid4())}, 201
+
+    client = app.test_client()
+    first = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "v1"})
+    again = client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "v1"})
+    other = client.post("/pay", json={"a": 2}, headers={"Idempotency-Key": "v1"})
+    assert first.status_code == 201 and again.get_data() == first.get_data()
+    assert again.headers["Idempotent-Replayed"] == "true" and other.status_code == 422
+    store = app.extensions["idempotency"].store
+    params = {"tenant": "acme", "key": "v1"}
+    explained = Statement("EXPLAIN (COSTS OFF) " + store._key_status.named)
+    plan = "\n".join(row[0] for row in store.fetch(explained, params, prepare=False).rows)
+    assert "Task Count: 1\n" in plan + "\n", plan
+
+
+def test_colocation_with_a_table_distributed_by_a_number_is_refused_before_anything_is_made(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    accounts = f"{names['IDEMPOTENCY_TABLE']}_accounts"
+    query(citus.url, f"CREATE TABLE {accounts} (tenant_id bigint NOT NULL, balance integer)")
+    query(citus.url, "SELECT create_distributed_table(%s, 'tenant_id')", accounts)
+    app = node_app(citus.url, IDEMPOTENCY_COLOCATE_WITH=accounts, **names)
+    result = init(app)
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "tenant_id is bigint" in lines[0], result.output
+    made = query(
+        citus.url,
+        "SELECT count(*) FROM pg_class WHERE relname = ANY(%s)",
+        [name.rpartition(".")[2] for name in names.values()],
+    )
+    assert made == [(0,)]
