@@ -7,7 +7,7 @@ the schedule restarts it too). The correct app holds under two seeds of 30 s eac
 ``check_contract`` finds nothing on three of its routes (the transactional order, a plain
 quote, and a route that does not require a key and releases its 422).
 
-The same project with either of two planted defects fails with the seed and the key:
+The same project with any of three planted defects fails with the seed and the key:
 - an ``on_abandoned="retry"`` route whose view commits its order on its own before it answers
   (unfenced): a worker killed after that commit leaves the order, the retry takes the dead
   worker's claim over and orders again;
@@ -15,7 +15,11 @@ The same project with either of two planted defects fails with the seed and the 
   (``db.engine``, not the key's transaction) and commits it before the key's answer: a worker
   killed, or PostgreSQL restarted, after that commit rolls the key's claim back but not the
   order, and the retry orders again. ``check_contract`` passes that route (no fault, no
-  double): only the fault schedule catches it.
+  double): only the fault schedule catches it;
+- an ``on_abandoned="retry"`` route that calls the payment provider without the key's
+  downstream key, served beside a contended route (its views queue on one row's lock): the
+  kills aimed inside each route's views land in a payout, the retry pays again, and the key's
+  story names the kill.
 
 Each of the two pytest runs starts its PostgreSQL once; a 30 s schedule takes about 37 s, the
 defects' 10 s ones 16 to 21 s."""
@@ -46,6 +50,7 @@ import time
 from flask import Blueprint, Flask, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import insert
+from sqlalchemy.dialects.postgresql import insert as upsert
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, current_idempotency
@@ -68,6 +73,9 @@ shop = Blueprint("shop", __name__)
 #: the planted defects, each serving POST /orders its own wrong way
 unfenced = Blueprint("unfenced", __name__)
 own_connection = Blueprint("own_connection", __name__)
+unkeyed = Blueprint("unkeyed", __name__)
+#: a route every app serves: its views queue on one row's lock
+contended = Blueprint("contended", __name__)
 CATALOGUE = {"book", "pen"}
 
 
@@ -76,6 +84,25 @@ class Order(db.Model):
     id: Mapped[int] = mapped_column(primary_key=True)
     key: Mapped[str] = mapped_column(index=True)  # the Idempotency-Key, to count effects
     sku: Mapped[str]
+
+
+class Payout(db.Model):  # the payment provider's record of a payout (its system, a table here)
+    __tablename__ = "payouts"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    ref: Mapped[str] = mapped_column(index=True)  # the shop's Idempotency-Key, as a reference
+    downstream: Mapped[str | None] = mapped_column(unique=True)  # the provider's own key
+
+
+class Stock(db.Model):
+    __tablename__ = "stock"
+    sku: Mapped[str] = mapped_column(primary_key=True)
+    count: Mapped[int]
+
+
+def provider_payout(ref: str, downstream: str | None) -> None:
+    # the provider pays once per idempotency key it is given, and once per call without
+    with db.engine.begin() as conn:  # the provider's system: committed at once, not ours
+        conn.execute(upsert(Payout).values(ref=ref, downstream=downstream).on_conflict_do_nothing())
 
 
 def pause() -> None:
@@ -126,7 +153,35 @@ def order_own_connection():
     return {"sku": request.json["sku"]}, 201
 
 
-DEFECTS = {"unfenced": unfenced, "own-connection": own_connection}
+@shop.post("/payouts")
+@idempotency.idempotent  # "retry": a dead worker's claim runs again, with the same key
+def payout():
+    provider_payout(current_idempotency.key, current_idempotency.downstream_key("payout"))
+    pause()
+    return {"paid": True}, 201
+
+
+@unkeyed.post("/payouts")
+@idempotency.idempotent
+def payout_unkeyed():
+    provider_payout(current_idempotency.key, None)  # no downstream key: a retry pays again
+    pause()
+    return {"paid": True}, 201
+
+
+@contended.post("/restock")
+@idempotency.idempotent(transactional=True)
+def restock():
+    db.session.execute(
+        upsert(Stock)
+        .values(sku="book", count=1)
+        .on_conflict_do_update(index_elements=["sku"], set_={"count": Stock.count + 1})
+    )
+    pause()  # holding the row's lock: the other restocks queue behind it
+    return {"restocked": True}, 201
+
+
+DEFECTS = {"unfenced": unfenced, "own-connection": own_connection, "unkeyed": unkeyed}
 
 
 def create_app(database_url: str | None = None, defect: str | None = None) -> Flask:
@@ -143,6 +198,7 @@ def create_app(database_url: str | None = None, defect: str | None = None) -> Fl
     db.init_app(app)
     idempotency.init_app(app, sqlalchemy=db)
     app.register_blueprint(DEFECTS[defect] if defect else shop)
+    app.register_blueprint(contended)
     return app
 """
 
@@ -168,6 +224,7 @@ from flask_idempotency.testing import check_contract
         ("/orders", {"sku": "book"}),  # transactional: the order in the key's transaction
         ("/quotes", {"sku": "pen"}),  # a plain route
         ("/wishes", {"sku": "kite"}),  # no key required; a 422 released, not stored
+        ("/payouts", {}),  # the provider called with the key's downstream key
     ],
 )
 def test_the_routes_keep_the_contract(database, path, body):
@@ -205,6 +262,31 @@ def test_an_order_on_its_own_connection_orders_twice(database, tmp_path):
         logs=tmp_path,
     )
     assert report.ok, str(report)
+
+
+def payouts_of(database):
+    def payouts(key):
+        with psycopg.connect(database.url) as conn:
+            sql = "SELECT count(*) FROM payouts WHERE ref = %s"
+            return conn.execute(sql, (key,)).fetchone()[0]
+
+    return payouts
+
+
+def test_a_payout_without_its_downstream_key_pays_twice(database, tmp_path):
+    report = run_fault_schedule(
+        "shop:create_app(defect='unkeyed')",
+        [
+            ("POST", "/payouts", {"delay": 0.4}),
+            ("POST", "/restock", {"delay": 0.6}),  # contended: its views queue on a row lock
+        ],
+        database=database,
+        seconds=10,
+        seed=1105,
+        effects=payouts_of(database),
+        logs=tmp_path,
+    )
+    assert report.ok, str(report)
 """
 
 
@@ -213,11 +295,11 @@ def test_a_project_proves_its_own_app_under_faults(
     pytester: pytest.Pytester,
     entry_point: Path,  # noqa: F811
 ) -> None:
-    """A correct app holds under two seeds of the schedule, and keeps the contract on three
+    """A correct app holds under two seeds of the schedule, and keeps the contract on four
     of its routes."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
     result = run_project(pytester, entry_point, {}, "-k", "hold or contract", timeout=280)
-    result.assert_outcomes(passed=5, deselected=2)
+    result.assert_outcomes(passed=6, deselected=3)
 
 
 @pytest.mark.timeout(200)
@@ -225,18 +307,23 @@ def test_planted_defects_fail_with_the_seed_and_the_key(
     pytester: pytest.Pytester,
     entry_point: Path,  # noqa: F811
 ) -> None:
-    """An unfenced side effect in a ``"retry"`` route, and a ``transactional=True`` view that
-    commits its order on a connection of its own: a worker killed (or PostgreSQL restarted)
-    after that commit leaves the order, and the retry orders again. Each failure names the
-    seed that repeats it and the key ordered twice; the second route passes
+    """An unfenced side effect in a ``"retry"`` route, a ``transactional=True`` view that
+    commits its order on a connection of its own, and a ``"retry"`` route that calls the
+    payment provider without the key's downstream key (beside a contended route whose views
+    queue on a row lock, where unaimed kills used to land): a worker killed (or PostgreSQL
+    restarted) after that commit or call leaves its effect, and the retry does it again.
+    Each failure names the seed that repeats it and the key done twice; the second route passes
     ``check_contract`` first (no fault: nothing to catch)."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
     result = run_project(pytester, entry_point, {}, "-k", "twice")
-    result.assert_outcomes(failed=2, deselected=5)
+    result.assert_outcomes(failed=3, deselected=6)
     output = "\n".join(result.outlines)
-    assert output.count("fault schedule FAILED") >= 2, output
-    for seed in (1103, 1104):
+    assert output.count("fault schedule FAILED") >= 3, output
+    for seed, route in ((1103, "orders"), (1104, "orders"), (1105, "payouts")):
         assert f"seed {seed}: run_fault_schedule(..., seed={seed}) repeats this schedule" in output
         assert re.search(
-            rf"key 'f{seed}-\w+-c\d+-\d+' \(POST /orders\): its effect happened [2-9]", output
-        ), f"seed {seed}: no key ordered twice"
+            rf"key 'f{seed}-\w+-c\d+-\d+' \(POST /{route}\): its effect happened [2-9]",
+            output,
+        ), f"seed {seed}: no key of /{route} done twice"
+    # the kill that did it is named in the key's story
+    assert re.search(r"killed: SIGKILL worker \d+ [\d.]+ s into the view of /payouts", output)
