@@ -271,7 +271,10 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
         events=faults.events,
         violations=[],
         intents=intents,
-        runs=dict(_runs(_read_decisions(record))),
+        # this run's keys only: the commands may also have acted on keys an earlier run
+        # in the same database left behind, which are not this run's to judge
+        runs={k: v for k, v in _runs(_read_decisions(record)).items() if k.startswith(prefix)},
+        prefix=prefix,
         outages=faults.outages,
         commands=faults.commands,
         logs=logs,

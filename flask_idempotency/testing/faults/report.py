@@ -50,6 +50,10 @@ class FaultReport:
     ended_pids: set[int] = dataclasses.field(default_factory=set)
     #: each ``kill -9`` of a worker, and the view it landed in
     kills: list[Kill] = dataclasses.field(default_factory=list)
+    #: what every key of this run begins with (``f<seed>-<random>-``): the run's checks see
+    #: only these keys, and a ``check=`` that reads your tables should too (an earlier run
+    #: in the same database left its own keys, and their effects, behind)
+    prefix: str = ""
 
     def kills_in_views(self) -> dict[str, int]:
         """How many kills landed in a view of each route (its path)."""
