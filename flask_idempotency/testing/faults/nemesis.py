@@ -33,7 +33,7 @@ BUSY_SECONDS = 10.0
 #: how long a kill waits for a view of the route it aims at to start, how often it reads
 #: the recorded decisions meanwhile, and how far into the view it lands (seconds, drawn
 #: evenly)
-AIM_SECONDS = 3.0
+AIM_SECONDS = 4.0
 AIM_POLL = 0.05
 AIM_INTO = (0.0, 0.25)
 #: what the command prints when the app registered no reconciler
@@ -227,32 +227,38 @@ class _Faults:
 
     def kill_worker(self) -> str:
         """``kill -9`` of workers in the middle of views: one volley, a kill aimed at each
-        route (the least hit first), at a drawn point into a run of it that starts within
-        :data:`AIM_SECONDS`; a route none of whose views runs in a worker by then (an
-        ``asynchronous=True`` one runs in the completer) is passed over. A volley that
+        route (the least hit first), at a drawn point into a run of it that is still
+        running then, found within :data:`AIM_SECONDS`; a route none of whose views runs in
+        a worker that long (an ``asynchronous=True`` one runs in the completer) is passed
+        over. A volley that
         found no view to aim at kills a busy worker, or an idle one."""
         kills: list[Kill] = []
         for path in sorted(self.paths, key=lambda p: (self.landed[p], self.rng.random())):
-            workers = wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
-            aimed = self._aim(path, workers)
-            if aimed is not None:
-                time.sleep(self.rng.uniform(*AIM_INTO))  # a drawn point into the view
-                kills.append(self._kill(aimed.pid))
+            victim = self._aim(path)
+            if victim is not None:
+                kills.append(self._kill(victim))
         if not kills:
             workers = wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
             busy = sorted({r.pid for r in self.running(workers)})
             kills.append(self._kill(self.rng.choice(busy or sorted(workers))))
         return "; ".join(str(kill) for kill in kills)
 
-    def _aim(self, path: str, workers: set[int]) -> Run | None:
-        """A run of a view of *path* in one of *workers*, waited for up to
-        :data:`AIM_SECONDS`."""
+    def _aim(self, path: str) -> int | None:
+        """The worker to kill in a view of *path*: one running such a view that is still
+        running at a drawn point into it (a view that ended first is passed over, and
+        another is waited for), for up to :data:`AIM_SECONDS`; None if none was."""
         deadline = time.monotonic() + AIM_SECONDS
         while time.monotonic() < deadline:
+            workers = wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
             runs = [r for r in self.running(workers) if r.path == path]
-            if runs:
-                return self.rng.choice(runs)
-            time.sleep(AIM_POLL)
+            if not runs:
+                time.sleep(AIM_POLL)
+                continue
+            aimed = self.rng.choice(runs)
+            time.sleep(self.rng.uniform(*AIM_INTO))  # a drawn point into the view
+            still = [r for r in self.running(workers) if r.pid == aimed.pid]
+            if any((r.key, r.attempt) == (aimed.key, aimed.attempt) for r in still):
+                return aimed.pid
         return None
 
     def _kill(self, victim: int) -> Kill:
