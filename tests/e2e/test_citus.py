@@ -800,3 +800,18 @@ def test_colocation_with_a_table_distributed_by_a_number_is_refused_before_anyth
         [name.rpartition(".")[2] for name in names.values()],
     )
     assert made == [(0,)]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["no_such_table", 'x"; DROP TABLE y; --', "a\u00e9\x7f" * 3],
+    ids=["missing", "sql", "bytes"],
+)
+def test_colocation_with_no_distributed_table_is_refused_in_one_line(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str], name: str
+) -> None:
+    app = node_app(citus.url, IDEMPOTENCY_COLOCATE_WITH=name, **names)
+    result = init(app)
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "no such distributed table" in lines[0], result.output
