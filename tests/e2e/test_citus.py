@@ -140,12 +140,17 @@ def test_init_distributes_the_tables_by_tenant(
     assert "already exists" in again.output
 
 
-def test_colocated_with_the_apps_table(
-    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
-) -> None:
+def colocated_app(
+    citus: CitusCluster,
+    node_app: Callable[..., Flask],
+    names: dict[str, str],
+    tenant_type: str,
+) -> Flask:
+    """An app whose keys ``flask idempotency-init`` co-located with the app's own table,
+    distributed by a tenant column of *tenant_type*; asserts the co-location."""
     accounts = f"{names['IDEMPOTENCY_TABLE']}_accounts"
     # 8 shards: another co-location group than Citus's default (32)
-    query(citus.url, f"CREATE TABLE {accounts} (tenant text NOT NULL, balance integer)")
+    query(citus.url, f"CREATE TABLE {accounts} (tenant {tenant_type} NOT NULL, balance integer)")
     query(citus.url, "SELECT create_distributed_table(%s, 'tenant', shard_count => 8)", accounts)
     app = node_app(citus.url, IDEMPOTENCY_COLOCATE_WITH=accounts, **names)
     result = init(app)
@@ -156,6 +161,13 @@ def test_colocated_with_the_apps_table(
     assert [found[names[key]][1] for key in names if key != "IDEMPOTENCY_HEARTBEATS_TABLE"] == [
         wanted
     ] * 3
+    return app
+
+
+def test_colocated_with_the_apps_table(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    colocated_app(citus, node_app, names, "text")
 
 
 def test_a_worker_makes_no_local_table(
@@ -751,17 +763,7 @@ def test_colocated_with_a_varchar_tenant_column(
     """Flask-SQLAlchemy's ``Mapped[str]`` makes ``character varying``: the extension's
     tenant columns take that type, so Citus co-locates them, and a key is claimed, replayed
     and refused with another body, each as one task on the shard's node."""
-    accounts = f"{names['IDEMPOTENCY_TABLE']}_accounts"
-    query(citus.url, f"CREATE TABLE {accounts} (tenant varchar(64) NOT NULL, balance integer)")
-    query(citus.url, "SELECT create_distributed_table(%s, 'tenant', shard_count => 8)", accounts)
-    app = node_app(citus.url, IDEMPOTENCY_COLOCATE_WITH=accounts, **names)
-    result = init(app)
-    assert result.exit_code == 0, result.output
-    wanted = partitions(citus.url, {"accounts": accounts})[accounts][1]
-    found = partitions(citus.url, names)
-    assert [found[names[key]][1] for key in names if key != "IDEMPOTENCY_HEARTBEATS_TABLE"] == [
-        wanted
-    ] * 3
+    app = colocated_app(citus, node_app, names, "varchar(64)")
     idempotency = app.extensions["idempotency"].extension
     idempotency.tenant_loader(lambda: "acme")
 
