@@ -50,6 +50,8 @@ logger = logging.getLogger("flask_idempotency")
 
 #: an HTTP header name (RFC 9110 token)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: what no header value a client is sent may hold
+_UNSENDABLE = re.compile(r"[\r\n\x00]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +308,7 @@ def stored_response(response: Response, settings: RouteSettings) -> StoredRespon
 def _check_headers(headers: list[tuple[str, str]]) -> None:
     """:raises NotStorable: a header a client cannot be sent."""
     for name, value in headers:
-        if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\x00"):
+        if not _TOKEN.fullmatch(name) or _UNSENDABLE.search(value):
             text = f"the header {name!r}: {value!r:.80} cannot be sent to a client"
             raise NotStorable(text, f"The response's {text[4:]}{{nothing}}.")
 

@@ -192,12 +192,11 @@ def canonical_json(body: bytes, exclude: tuple[tuple[str, ...], ...] = ()) -> by
     """
     if _NOT_PLAIN.search(body) is None:
         try:
-            document = json.loads(
-                body, parse_float=_not_fast, parse_int=_safe_int, parse_constant=_not_fast
-            )
+            # what json.loads and json.dumps do, with their decoder and encoder made once
+            text = body.decode(json.detect_encoding(body), "surrogatepass")
+            document = _FAST_DECODER.decode(text)
             _leave_out(document, exclude)
-            text = json.dumps(document, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-            return text.encode()
+            return _FAST_ENCODER.encode(document).encode()
         except (ValueError, RecursionError, _NotFast):
             pass  # rfc8785 decides, as before
     try:
@@ -261,3 +260,11 @@ def _safe_int(text: str) -> int:
     if -_SAFE_INT <= number <= _SAFE_INT:
         return number
     raise _NotFast(text)
+
+
+#: the fast path's parser and writer (json.loads and json.dumps would make them anew on
+#: every call given these arguments)
+_FAST_DECODER = json.JSONDecoder(
+    parse_float=_not_fast, parse_int=_safe_int, parse_constant=_not_fast
+)
+_FAST_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True)

@@ -176,8 +176,14 @@ def identify(
 def _first_sent() -> datetime | None:
     """``Repeatability-First-Sent`` (OASIS Repeatable Requests 1.0), an HTTP-date; None when
     absent or not a date (then the request is judged as if it had not said)."""
-    value = request.headers.get(FIRST_SENT_HEADER)
+    value = _header(FIRST_SENT_HEADER)
     return None if value is None else parse_date(value)
+
+
+def _header(name: str) -> str | None:
+    """The request's header *name*, read from the WSGI environ (as ``request.headers``
+    would, without walking every header for one): repeated headers come joined by commas."""
+    return request.environ.get("HTTP_" + name.upper().replace("-", "_"))
 
 
 def _key(settings: RouteSettings) -> str | None:
@@ -189,8 +195,8 @@ def _key(settings: RouteSettings) -> str | None:
         500, logged).
     """
     if settings.key is None:
-        values = request.headers.getlist(settings.header)
-        return parse_key(values, settings.header) if values else None
+        value = _header(settings.header)
+        return None if value is None else parse_key([value], settings.header)
     key = settings.key(request._get_current_object())  # type: ignore[attr-defined]
     if key is None or isinstance(key, str):
         return None if key is None else check_key(key, "The request's idempotency key")

@@ -39,6 +39,7 @@ from .pool import (
     is_connection_lost,
     is_prepared_statement_failure,
     open_pool,
+    store_error,
     store_errors,
     warn_unprepared,
 )
@@ -528,20 +529,27 @@ class Execution:
         if timeout is not None:
             seconds = min(seconds, max(timeout, _LEAST_STATEMENT_SECONDS))
             wait = min(timeout, self.settings.pool_timeout)
-        with self._connection_for(pinned, wait) as conn:
-            with bounded(conn, seconds):
-                return runner(conn, query, params, False if prepare is False else self._prepare)
-
-    @contextmanager
-    def _connection_for(
-        self, pinned: HeldTransaction | None, timeout: float | None
-    ) -> Iterator[psycopg.Connection[Any]]:
-        if pinned is None:
-            with self._pooled(timeout) as conn:
-                yield conn
-        else:
-            with store_errors():
-                yield pinned.conn
+        prepared = False if prepare is False else self._prepare
+        # what _pooled and bounded() do, written out: every statement comes this way
+        conn = self._checkout(wait) if pinned is None else pinned.conn
+        # None: a connection of a pool passed in by the app, left unbounded
+        timed = conn if isinstance(conn, BoundedConnection) else None
+        try:
+            if timed is not None:
+                timed.io_timeout = seconds
+            try:
+                result = runner(conn, query, params, prepared)
+            finally:
+                if timed is not None:
+                    timed.io_timeout = None
+            if pinned is None and not conn.autocommit:  # a pool passed in by the app
+                conn.commit()
+            return result
+        except psycopg.Error as exc:
+            raise store_error(exc) from exc
+        finally:
+            if pinned is None:
+                self.pool.putconn(conn)
 
     # -- held transactions -------------------------------------------------------------
 

@@ -203,8 +203,13 @@ def store_errors() -> Iterator[None]:
     try:
         yield
     except psycopg.Error as exc:
-        outage = is_outage(exc)
-        # a conflict (class 40: a deadlock, a serialization failure) comes from a
-        # database that answers: never a reason to run a view unprotected
-        conflict = (getattr(exc, "sqlstate", None) or "").startswith("40")
-        raise StoreError(one_line(exc), outage=outage, fail_open=outage and not conflict) from exc
+        raise store_error(exc) from exc
+
+
+def store_error(exc: psycopg.Error) -> StoreError:
+    """The :class:`StoreError` the driver's *exc* becomes (:func:`store_errors`)."""
+    outage = is_outage(exc)
+    # a conflict (class 40: a deadlock, a serialization failure) comes from a
+    # database that answers: never a reason to run a view unprotected
+    conflict = (getattr(exc, "sqlstate", None) or "").startswith("40")
+    return StoreError(one_line(exc), outage=outage, fail_open=outage and not conflict)

@@ -165,7 +165,8 @@ def _result(
     if prepared and name is None:
         runner.wanted.add((statement._text, tx.types))
     result = _send(conn, runner, statement._text, name, values, frame)
-    if name is not None and idle and _name_lost(result):
+    failed = result.status not in _OK
+    if failed and name is not None and idle and _name_lost(result):
         # Gone from the server (DISCARD ALL, or a pooler's other server connection):
         # it never ran; prepared again once. A pooler that loses it again is found
         # by the caller, which then stops preparing.
@@ -174,7 +175,8 @@ def _result(
         runner.prepared.clear()
         name = _prepared_name(conn, runner, statement._text, idle)
         result = _send(conn, runner, statement._text, name, values, frame)
-    if result.status not in _OK:
+        failed = result.status not in _OK
+    if failed:
         raise errors.error_from_result(result, encoding=conn.info.encoding)
     tx.set_pgresult(result)
     return tx, result
