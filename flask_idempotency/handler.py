@@ -306,7 +306,7 @@ def decide(
             span.claimed(claim.outcome)
     if cache is not None and claim.outcome.decision is Decision.REPLAY:
         cache.remember(identity.tenant, identity.key, identity.fingerprint, claim.outcome)
-    return dataclasses.replace(claim, claim_seconds=claim_seconds)
+    return Claim(claim.outcome, claim.pinned, claim_seconds)  # not dataclasses.replace: 5x dearer
 
 
 def _claim(

@@ -312,7 +312,10 @@ class Owner:
         """
         name = (tenant, key)
         with self._settled:
-            if not self._settled.wait_for(lambda: name not in self._handing, self._timeout):
+            handed = name not in self._handing or self._settled.wait_for(
+                lambda: name not in self._handing, self._timeout
+            )
+            if not handed:
                 raise StoreError(f"key {key!r} is being handed back; try again")
             self._sending[name] = self._sending.get(name, 0) + 1
         claim = Claiming()
