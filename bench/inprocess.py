@@ -7,8 +7,8 @@ The difference to ``plain`` is what the protection costs in Python.
 
     python -m bench.inprocess DATABASE_URL EXEC_DIR VARIANT [--requests N]
 
-VARIANT is ``plain``, ``new`` (a new key per request), ``replay`` or ``handrolled`` (new
-keys). Prints one line: ``BENCH_JSON {"cpu_us": ..., "user_us": ..., "sys_us": ...,
+VARIANT is ``plain``, ``new`` (a new key per request), ``replay``, ``handrolled`` or
+``floor`` (new keys). Prints one line: ``BENCH_JSON {"cpu_us": ..., "user_us": ..., "sys_us": ...,
 "wall_us": ...}`` per request. bench/profiles.py runs it, once as is and once under py-spy.
 """
 
@@ -30,6 +30,7 @@ PATHS = {
     "new": "/idempotent",
     "replay": "/idempotent",
     "handrolled": "/handrolled",
+    "floor": "/floor",
 }
 
 
