@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import NoReturn
 
-from flask import Response, current_app, request
+from flask import Request, Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.http import parse_date
 
@@ -41,7 +41,7 @@ from .errors import (
 from .fingerprint import custom_fingerprint, fingerprint
 from .keys import check_key, load_tenant, lock_id, parse_key, tenant_tag
 from .model import ClaimOutcome, Decision
-from .rerun import current_rerun
+from .rerun import rerun_in
 from .state import IdempotencyState
 from .store.pool import is_driver_outage, one_line
 from .store.postgres import HeldTransaction
@@ -97,9 +97,10 @@ def begin(
 
     :raises ProblemError: the answer is an error (400, 409, 422, 503, ...).
     """
-    rerun = current_rerun()
+    req: Request = request._get_current_object()  # type: ignore[attr-defined]
+    rerun = rerun_in(req.environ)
     # a rerun's key is the stored one: a route's key= function is never asked again
-    identity = identify(settings, tenant_loader, rerun.key if rerun is not None else None)
+    identity = identify(settings, tenant_loader, rerun.key if rerun is not None else None, req)
     if rerun is not None:  # the completer runs a stored request: it claims its way
         return rerun.begin(state, settings, transactional, identity)
     if identity is None:
@@ -144,7 +145,10 @@ def begin(
 
 
 def identify(
-    settings: RouteSettings, tenant_loader: TenantLoader | None, stored_key: str | None = None
+    settings: RouteSettings,
+    tenant_loader: TenantLoader | None,
+    stored_key: str | None = None,
+    req: Request | None = None,
 ) -> Identity | None:
     """The request's key (*stored_key*, a background run's, else the header's or the
     route's ``key=`` function's), tenant and fingerprint; ``None`` when it has no key and
@@ -154,8 +158,10 @@ def identify(
         too large.
     :raises ConfigError: the route's ``key=`` function returned neither text nor None.
     """
+    # the request, not its proxy: each look through the proxy costs a context lookup
+    req = req if req is not None else request._get_current_object()  # type: ignore[attr-defined]
     try:
-        key = stored_key if stored_key is not None else _key(settings)
+        key = stored_key if stored_key is not None else _key(settings, req)
     except ProblemError as exc:
         raise settings.problem(type(exc), exc.detail) from None
     if key is None:
@@ -163,30 +169,31 @@ def identify(
             where = "an idempotency key" if settings.key else f"an {settings.header} header"
             raise settings.problem(MissingKey, f"This endpoint requires {where}.")
         return None
-    body = _request_body(settings)
+    body = _request_body(settings, req)
     tenant = _tenant(settings, tenant_loader)
-    path = request.path
-    if request.query_string:
-        path += "?" + request.query_string.decode("latin-1")
+    path = req.path
+    query = req.environ.get("QUERY_STRING")
+    if query:  # werkzeug's query_string, decoded as latin-1: the environ's own string
+        path += "?" + query
     stored = capture(settings, body) if settings.complete else None
-    fingerprint = _fingerprint(settings, path, body)
-    return Identity(tenant, key, fingerprint, stored, _first_sent())
+    fingerprint = _fingerprint(settings, path, body, req)
+    return Identity(tenant, key, fingerprint, stored, _first_sent(req))
 
 
-def _first_sent() -> datetime | None:
+def _first_sent(req: Request) -> datetime | None:
     """``Repeatability-First-Sent`` (OASIS Repeatable Requests 1.0), an HTTP-date; None when
     absent or not a date (then the request is judged as if it had not said)."""
-    value = _header(FIRST_SENT_HEADER)
+    value = _header(req, FIRST_SENT_HEADER)
     return None if value is None else parse_date(value)
 
 
-def _header(name: str) -> str | None:
+def _header(req: Request, name: str) -> str | None:
     """The request's header *name*, read from the WSGI environ (as ``request.headers``
     would, without walking every header for one): repeated headers come joined by commas."""
-    return request.environ.get("HTTP_" + name.upper().replace("-", "_"))
+    return req.environ.get("HTTP_" + name.upper().replace("-", "_"))
 
 
-def _key(settings: RouteSettings) -> str | None:
+def _key(settings: RouteSettings, req: Request) -> str | None:
     """The request's key: the route's ``key=`` function's (the header is then ignored),
     else the header's; None if it has none.
 
@@ -195,9 +202,9 @@ def _key(settings: RouteSettings) -> str | None:
         500, logged).
     """
     if settings.key is None:
-        value = _header(settings.header)
+        value = _header(req, settings.header)
         return None if value is None else parse_key([value], settings.header)
-    key = settings.key(request._get_current_object())  # type: ignore[attr-defined]
+    key = settings.key(req)
     if key is None or isinstance(key, str):
         return None if key is None else check_key(key, "The request's idempotency key")
     name = getattr(settings.key, "__qualname__", repr(settings.key))
@@ -213,7 +220,7 @@ def _key(settings: RouteSettings) -> str | None:
     )
 
 
-def _fingerprint(settings: RouteSettings, path: str, body: bytes) -> bytes:
+def _fingerprint(settings: RouteSettings, path: str, body: bytes, req: Request) -> bytes:
     """The request fingerprint, as the route narrows it (``fingerprint_exclude``), or
     with the route's ``fingerprint=`` function's value in place of the body.
 
@@ -222,12 +229,10 @@ def _fingerprint(settings: RouteSettings, path: str, body: bytes) -> bytes:
         to another.
     """
     if settings.fingerprint is None:
-        return fingerprint(
-            request.method, path, request.mimetype, body, settings.fingerprint_exclude
-        )
+        return fingerprint(req.method, path, req.mimetype, body, settings.fingerprint_exclude)
     name = getattr(settings.fingerprint, "__qualname__", repr(settings.fingerprint))
     try:
-        part = settings.fingerprint(request._get_current_object())  # type: ignore[attr-defined]
+        part = settings.fingerprint(req)
     except Exception as exc:
         logger.exception("decision=fingerprint_failed path=%r: %s raised", request.path, name)
         detail = f"The route's fingerprint function raised {type(exc).__name__}."
@@ -241,7 +246,7 @@ def _fingerprint(settings: RouteSettings, path: str, body: bytes) -> bytes:
         )
         detail = "The route's fingerprint function returned neither bytes nor text."
         raise settings.problem(FingerprintFailed, detail)
-    return custom_fingerprint(request.method, path, part)
+    return custom_fingerprint(req.method, path, part)
 
 
 def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:
@@ -251,18 +256,18 @@ def _tenant(settings: RouteSettings, loader: TenantLoader | None) -> str:
         raise settings.problem(type(exc), exc.detail) from None
 
 
-def _request_body(settings: RouteSettings) -> bytes:
+def _request_body(settings: RouteSettings, req: Request) -> bytes:
     """The request's body, read up to the route's limit and no further: a chunked
     body that goes on (and on) gets its 413 as soon as it passes the limit."""
-    app_limit = request.max_content_length
+    app_limit = req.max_content_length
     limit = settings.max_request_bytes
     limit = limit if app_limit is None else min(limit, app_limit)
     # werkzeug stops reading a stream at the limit without a word: one byte more
     # tells a body of exactly the limit from a longer one, cut short.
-    request.max_content_length = limit + 1
+    req.max_content_length = limit + 1
     try:
         # The body stays cached on the request, so the view can still read it.
-        body = request.get_data(cache=True)
+        body = req.get_data(cache=True)
     except RequestEntityTooLarge:
         body = None
     if body is not None and len(body) <= limit:

@@ -259,7 +259,12 @@ def current_rerun() -> Rerun | None:
     """The rerun the current request is, or None (a client's request)."""
     if not has_request_context():
         return None
-    rerun = request.environ.get(ENVIRON_KEY)
+    return rerun_in(request.environ)
+
+
+def rerun_in(environ: dict[str, Any]) -> Rerun | None:
+    """The rerun whose request has the WSGI *environ*, or None (a client's request)."""
+    rerun = environ.get(ENVIRON_KEY)
     return rerun if isinstance(rerun, Rerun) else None
 
 

@@ -200,6 +200,10 @@ class Owner:
         self._holding = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: which start of the threads is the current one, and whether one of it ended (a
+        #: claim asks on every request: cheaper than asking each thread if it is alive)
+        self._generation = 0
+        self._one_ended = False
         self._said_lost = False
         self._said_failing = False
         self._flush_registered = False
@@ -220,14 +224,16 @@ class Owner:
         return self.id if self._holding.is_set() else None
 
     def _running(self) -> bool:
-        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+        return bool(self._threads) and not self._one_ended
 
     def _start(self) -> None:
         with self._lock:
             if self._running() or self._stopping.is_set():
                 return
+            self._generation += 1
+            self._one_ended = False
             self._threads = [
-                threading.Thread(target=target, name=name, daemon=True)
+                threading.Thread(target=self._until_it_ends(target), name=name, daemon=True)
                 for target, name in (
                     (self._hold_lock, "flask-idempotency-owner"),
                     (self._keep_alive, "flask-idempotency-renewals"),
@@ -238,6 +244,20 @@ class Owner:
             if not self._flush_registered:
                 self._flush_registered = True
                 atexit.register(self.flush, os.getpid())
+
+    def _until_it_ends(self, target: Callable[[], None]) -> Callable[[], None]:
+        """*target*, saying when it ends (returned, or raised) that its start's threads
+        are no longer all running: the next claim starts them again."""
+        generation = self._generation
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                if generation == self._generation:
+                    self._one_ended = True
+
+        return run
 
     def flush(self, pid: int, seconds: float | None = None) -> None:
         """At the process's exit (a graceful stop: gunicorn's reload, ``max_requests``): wait
