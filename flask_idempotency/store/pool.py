@@ -197,13 +197,18 @@ def one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
-@contextmanager
-def store_errors() -> Iterator[None]:
-    """Turn the driver's errors (a pool timeout included) into :class:`StoreError`."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise store_error(exc) from exc
+class store_errors:
+    """Turn the driver's errors (a pool timeout included) into :class:`StoreError`. A
+    class, not a generator: every statement's connection is taken in one."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if isinstance(exc, psycopg.Error):
+            raise store_error(exc) from exc
 
 
 def store_error(exc: psycopg.Error) -> StoreError:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from psycopg.types.json import Jsonb
@@ -150,26 +148,40 @@ class AtRest:
         return text, plain[start + 4 + size :]
 
 
-@contextmanager
-def refused(what: str) -> Iterator[None]:
+class refused:
     """An :class:`EncryptionError` in the block is the store refusing *what*: a
     ``StoreError`` that is no outage (the request path answers 500 ``store-refused``,
-    with the tenant's hash in its log line; a retry will not help)."""
-    try:
-        yield
-    except EncryptionError as exc:
-        raise StoreError(f"{what}: {exc}", outage=False) from exc
+    with the tenant's hash in its log line; a retry will not help). A class, not a
+    generator: every claim enters it."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if isinstance(exc, EncryptionError):
+            raise StoreError(f"{self.what}: {exc}", outage=False) from exc
 
 
-@contextmanager
-def unreadable() -> Iterator[None]:
+class unreadable:
     """An :class:`EncryptionError` opening a stored answer: the request it answers was
     processed, and this process cannot read the answer (:class:`StoredAnswerUnreadable`:
-    503, a server with the key may answer the retry)."""
-    try:
-        yield
-    except EncryptionError as exc:
-        raise StoredAnswerUnreadable(f"no configured key opens the stored answer: {exc}") from exc
+    503, a server with the key may answer the retry). A class, as :class:`refused`."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if isinstance(exc, EncryptionError):
+            raise StoredAnswerUnreadable(
+                f"no configured key opens the stored answer: {exc}"
+            ) from exc
 
 
 def _headers_text(headers: list[tuple[str, str]]) -> str:
