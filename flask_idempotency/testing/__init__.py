@@ -260,6 +260,7 @@ def run_fault_schedule(
     logs: str | os.PathLike[str] | None = None,
     check: Callable[[FaultReport], Iterable[str]] | None = None,
     more_faults: Mapping[str, Callable[[], str]] | None = None,
+    kill_at: tuple[str, float] | None = None,
 ) -> FaultReport:
     """Serve *app* under gunicorn through a seeded schedule of operational faults while
     clients send *requests* with keys and retry them, then check that each key's effect
@@ -321,6 +322,13 @@ def run_fault_schedule(
     ``database=cluster.url``: a multi-host URL gets a fault proxy for each host, so
     ``target_session_attrs=read-write`` still finds the leader, and it is never restarted.
 
+    *kill_at* runs one failing kill again on purpose, where a seed repeats only the order
+    of its faults: ``(route, seconds)``, as a violating key's story gives it ("killed:
+    SIGKILL worker 8531 0.52 s into the view of /payouts ...;
+    run_fault_schedule(..., kill_at=('/payouts', 0.52)) does it alone again"). The schedule
+    is then that kill alone, aimed at the first view of *route* the clients start, that many
+    seconds into it (0 to 4); the heal, the drain and the checks are those of any run.
+
     *check* adds lines of your own: it gets the report (runs, answers, logs) before it
     is returned. The runs of the views are recorded through the extension's signals in
     each served process; your app needs no change for it. The logs (gunicorn's, each
@@ -352,6 +360,7 @@ def run_fault_schedule(
         logs=logs,
         check=check,
         more_faults=more_faults,
+        kill_at=kill_at,
     )
 
 

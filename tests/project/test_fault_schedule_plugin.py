@@ -207,8 +207,8 @@ def faults_test() -> str:
     """The user's test: the testing how-to's example as written (the tables made once, one
     call per seed), the contract test and the defects' tests beside it."""
     page = DOCS / "howto" / "testing.md"
-    blocks = [b.code for b in python_blocks(page) if "run_fault_schedule(" in b.code]
-    assert len(blocks) == 1, f"{page}: one example of run_fault_schedule, not {len(blocks)}"
+    blocks = [b.code for b in python_blocks(page) if "def test_orders_hold_under_faults" in b.code]
+    assert len(blocks) == 1, f"{page}: one example of the seeds' test, not {len(blocks)}"
     return blocks[0] + CONTRACT_TEST + DEFECT_TESTS
 
 
@@ -273,6 +273,35 @@ def payouts_of(database):
     return payouts
 
 
+def test_the_payouts_kill_again_pays_twice(database, tmp_path):
+    # the kill a violating key's story names, alone again: after the provider was called
+    report = run_fault_schedule(
+        "shop:create_app(defect='unkeyed')",
+        [("POST", "/payouts", {"delay": 0.6})],
+        database=database,
+        seconds=5,
+        kill_at=("/payouts", 0.3),
+        effects=payouts_of(database),
+        logs=tmp_path,
+    )
+    assert report.ok, str(report)
+
+
+def test_the_payouts_hold_the_same_kill(database, tmp_path):
+    # the correct route (the provider given the key's downstream key) under the same kill
+    report = run_fault_schedule(
+        "shop:create_app()",
+        [("POST", "/payouts", {"delay": 0.6})],
+        database=database,
+        seconds=5,
+        kill_at=("/payouts", 0.3),
+        effects=payouts_of(database),
+        logs=tmp_path,
+    )
+    assert report.ok, str(report)
+    assert report.kills_in_views() == {"/payouts": 1}, report.kills
+
+
 def test_a_payout_without_its_downstream_key_pays_twice(database, tmp_path):
     report = run_fault_schedule(
         "shop:create_app(defect='unkeyed')",
@@ -299,7 +328,7 @@ def test_a_project_proves_its_own_app_under_faults(
     of its routes."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
     result = run_project(pytester, entry_point, {}, "-k", "hold or contract", timeout=280)
-    result.assert_outcomes(passed=6, deselected=3)
+    result.assert_outcomes(passed=7, deselected=4)
 
 
 @pytest.mark.timeout(200)
@@ -316,14 +345,22 @@ def test_planted_defects_fail_with_the_seed_and_the_key(
     ``check_contract`` first (no fault: nothing to catch)."""
     pytester.makepyfile(shop=SHOP, test_faults=faults_test())
     result = run_project(pytester, entry_point, {}, "-k", "twice")
-    result.assert_outcomes(failed=3, deselected=6)
+    result.assert_outcomes(failed=4, deselected=7)
     output = "\n".join(result.outlines)
-    assert output.count("fault schedule FAILED") >= 3, output
+    assert output.count("fault schedule FAILED") >= 4, output
     for seed, route in ((1103, "orders"), (1104, "orders"), (1105, "payouts")):
         assert f"seed {seed}: run_fault_schedule(..., seed={seed}) repeats this schedule" in output
         assert re.search(
             rf"key 'f{seed}-\w+-c\d+-\d+' \(POST /{route}\): its effect happened [2-9]",
             output,
         ), f"seed {seed}: no key of /{route} done twice"
-    # the kill that did it is named in the key's story
-    assert re.search(r"killed: SIGKILL worker \d+ [\d.]+ s into the view of /payouts", output)
+    # the kill that did it is named in the key's story, with how to do it alone again; done
+    # alone again (kill_at), it pays twice again
+    assert re.search(
+        r"killed: SIGKILL worker \d+ [\d.]+ s into the view of /payouts .*;"
+        r" run_fault_schedule\(\.\.\., kill_at=\('/payouts', [\d.]+\)\) does it alone again",
+        output,
+    ), output
+    assert re.search(
+        r"killed: SIGKILL worker \d+ 0\.[3-5]\d s into the view of /payouts", output
+    ), "the kill_at run's kill did not land 0.3 s (or a little later) into a payout"

@@ -60,7 +60,17 @@ from ..postgres import PostgresServer
 from ..service import DATABASE_URL_ENV
 from .checker import _count_effects, _harness_problems, _key_violations
 from .clients import HTTP_TIMEOUT, Exchange, Intent, Request, _Client, _join, _run_clients, _send
-from .nemesis import Command, FaultEvent, Kill, Outage, _Faults, _gunicorn, _Proxies, _servers
+from .nemesis import (
+    AIM_SECONDS,
+    Command,
+    FaultEvent,
+    Kill,
+    Outage,
+    _Faults,
+    _gunicorn,
+    _Proxies,
+    _servers,
+)
 from .record import RECORD_ENV, Run, _read_decisions, _runs, record_decisions
 from .report import FaultReport
 from .schedule import DISRUPTIVE, KINDS, RESTARTS, SEED_ENV, Fault, draw_schedule, first_round
@@ -139,9 +149,13 @@ class _Setup:
     cwd: Path
     logs: Path
     more_faults: dict[str, Callable[[], str]] = dataclasses.field(default_factory=dict)
+    #: (route, seconds into its view): the schedule is that one kill alone
+    kill_at: tuple[str, float] | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
+        if self.kill_at is not None:
+            return ("kill-worker",)
         built_in = KINDS if self.server is not None else [k for k in KINDS if k not in RESTARTS]
         return (*built_in, *self.more_faults)
 
@@ -190,12 +204,30 @@ def _drain(faults: _Faults, clients: list[_Client], settle: float) -> None:
         faults.sweep()
 
 
+def _checked_kill(kill_at: tuple[str, float], wanted: list[Request]) -> tuple[str, float]:
+    """*kill_at* as a route of the requests and a point into its view, or ValueError."""
+    try:
+        route, into = kill_at
+        into = float(into)
+    except (TypeError, ValueError):
+        raise ValueError(f"kill_at is (route, seconds into its view), not {kill_at!r}") from None
+    paths = sorted({r.path for r in wanted})
+    if route not in paths:
+        raise ValueError(f"kill_at names {route!r}, which none of the requests is: {paths}")
+    if not 0.0 <= into <= AIM_SECONDS:
+        raise ValueError(f"kill_at's seconds into the view must be 0 to {AIM_SECONDS}, not {into}")
+    return route, into
+
+
 def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
     """Serve the app, run the clients through the seed's schedule, heal, drain, verify;
     every process and thread started here is stopped here, whatever happens. The report
     without its violations, and whether the app has no reconciler."""
     rng = random.Random(setup.seed)
-    schedule = draw_schedule(rng, setup.seconds, setup.kinds)
+    if setup.kill_at is None:
+        schedule, first = draw_schedule(rng, setup.seconds, setup.kinds), first_round(setup.kinds)
+    else:
+        schedule, first = [Fault(0.0, "kill-worker")], ["kill-worker"]
     prefix = f"f{setup.seed}-{uuid.uuid4().hex[:6]}"
     record = setup.logs / "decisions"
     record.mkdir()
@@ -219,6 +251,7 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
             setup.logs,
             setup.more_faults,
             [r.path for r in setup.requests],
+            setup.kill_at,
         )
         clients = [
             _Client(n, gunicorn.port, setup.requests, setup.headers, prefix, setup.seed, stop)
@@ -231,7 +264,7 @@ def _serve(setup: _Setup) -> tuple[FaultReport, bool]:
             threads = _run_clients(clients, time.monotonic() + setup.seconds + 120, True)
             _first_answers(clients, sorted({r.path for r in setup.requests}))
             started = time.monotonic()
-            faults.run(schedule, setup.seconds, started, len(first_round(setup.kinds)))
+            faults.run(schedule, setup.seconds, started, len(first))
             timings["faults"] = time.monotonic() - started
 
             # Heal, stop making intents, let the clients retry what is open while cron's
@@ -306,6 +339,7 @@ def run_fault_schedule(
     logs: str | os.PathLike[str] | None = None,
     check: Callable[[FaultReport], Iterable[str]] | None = None,
     more_faults: Mapping[str, Callable[[], str]] | None = None,
+    kill_at: tuple[str, float] | None = None,
 ) -> FaultReport:
     """The implementation of :func:`flask_idempotency.testing.run_fault_schedule`
     (documented there)."""
@@ -317,6 +351,8 @@ def run_fault_schedule(
     clashing = sorted(set(more_faults or {}) & set(KINDS))
     if clashing:
         raise ValueError(f"more_faults may not redefine the built-in kinds {clashing}")
+    if kill_at is not None:
+        kill_at = _checked_kill(kill_at, wanted)
     url = database if isinstance(database, str) else database.url
     folder = Path(tempfile.mkdtemp(prefix=f"fault-schedule-{seed}-", dir=logs))
     setup = _Setup(
@@ -334,6 +370,7 @@ def run_fault_schedule(
         cwd=Path(cwd if cwd is not None else os.getcwd()).resolve(),
         logs=folder,
         more_faults=dict(more_faults or {}),
+        kill_at=kill_at,
     )
     try:
         report, no_reconciler = _serve(setup)

@@ -136,6 +136,10 @@ class Kill:
             f" (key {self.key!r}, attempt {self.attempt})"
         )
 
+    def again(self) -> str:
+        """How to do this kill alone again (:func:`run_fault_schedule`'s *kill_at*)."""
+        return f"kill_at=({self.path!r}, {self.into:.2f})" if self.into is not None else ""
+
 
 class _Faults:
     """Carries out a schedule against the database, the proxy, gunicorn and the CLI, and
@@ -153,6 +157,7 @@ class _Faults:
         logs: Path,
         more: Mapping[str, Callable[[], str]],
         paths: Sequence[str],
+        kill_at: tuple[str, float] | None = None,
     ) -> None:
         self.app = app
         self.server = server
@@ -177,6 +182,8 @@ class _Faults:
         #: the routes of the requests, which the kills aim at, and how many kills landed
         #: in a view of each
         self.paths = sorted(set(paths))
+        #: a failing run's one kill, again: (route, seconds into its view)
+        self.kill_at = kill_at
         self.landed: Counter[str] = Counter({path: 0 for path in self.paths})
         self.kills: list[Kill] = []
 
@@ -233,6 +240,12 @@ class _Faults:
         over. A volley that
         found no view to aim at kills a busy worker, or an idle one."""
         kills: list[Kill] = []
+        if self.kill_at is not None:
+            path, into = self.kill_at
+            victim = self._aim(path, into)
+            if victim is None:
+                return f"no view of {path} ran within {AIM_SECONDS} s: nothing killed"
+            return str(self._kill(victim))
         for path in sorted(self.paths, key=lambda p: (self.landed[p], self.rng.random())):
             victim = self._aim(path)
             if victim is not None:
@@ -243,10 +256,11 @@ class _Faults:
             kills.append(self._kill(self.rng.choice(busy or sorted(workers))))
         return "; ".join(str(kill) for kill in kills)
 
-    def _aim(self, path: str) -> int | None:
+    def _aim(self, path: str, into: float | None = None) -> int | None:
         """The worker to kill in a view of *path*: one running such a view that is still
-        running at a drawn point into it (a view that ended first is passed over, and
-        another is waited for), for up to :data:`AIM_SECONDS`; None if none was."""
+        running at a drawn point into it (*into* seconds, when given: a failing run's kill
+        again), a view that ended first passed over and another waited for, for up to
+        :data:`AIM_SECONDS`; None if none was."""
         deadline = time.monotonic() + AIM_SECONDS
         while time.monotonic() < deadline:
             workers = wait_until(self.gunicorn.worker_pids, 30, "a gunicorn worker")
@@ -255,7 +269,10 @@ class _Faults:
                 time.sleep(AIM_POLL)
                 continue
             aimed = self.rng.choice(runs)
-            time.sleep(self.rng.uniform(*AIM_INTO))  # a drawn point into the view
+            if into is None:
+                time.sleep(self.rng.uniform(*AIM_INTO))  # a drawn point into the view
+            else:  # that point of the view, as its worker recorded the view's start
+                time.sleep(max(0.0, into - (time.time() - aimed.started)))
             still = [r for r in self.running(workers) if r.pid == aimed.pid]
             if any((r.key, r.attempt) == (aimed.key, aimed.attempt) for r in still):
                 return aimed.pid

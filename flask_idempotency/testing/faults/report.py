@@ -81,7 +81,11 @@ class FaultReport:
         ]
         answers = [f"{e.purpose}:{e.label()}" for e in intent.exchanges]
         lines = [f"  runs: {runs}", f"  answers: {answers}"]
-        lines += [f"  killed: {kill}" for kill in self.kills if kill.key == intent.key]
+        lines += [
+            f"  killed: {kill}; run_fault_schedule(..., {kill.again()}) does it alone again"
+            for kill in self.kills
+            if kill.key == intent.key
+        ]
         if intent.key in self.effects:
             lines.append(f"  effects: {self.effects[intent.key]}")
         return "\n".join(lines)
