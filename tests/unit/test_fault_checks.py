@@ -8,7 +8,12 @@ passing schedule cannot show."""
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
+import pytest
+
+from flask_idempotency.testing.faults import run_fault_schedule
 from flask_idempotency.testing.faults.checker import _ack_violations, _expiry_violations
 from flask_idempotency.testing.faults.clients import Exchange, Intent, Request
 from flask_idempotency.testing.faults.record import Run
@@ -108,3 +113,27 @@ def test_a_202_without_retry_after_is_an_answer() -> None:
     """A view's own 202 (no Retry-After) is its answer, not work in progress."""
     own = Exchange("first", 0.0, 0.0, 202, body=b"{}", at=1.0)
     assert intent(own).ack is own
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "said"),
+    [
+        (("/nope", 0.3), "none of the requests is"),
+        (("/payouts", -0.1), "must be 0 to 4"),
+        (("/payouts", 4.5), "must be 0 to 4"),
+        (("/payouts", float("nan")), "must be 0 to 4"),
+        (("/payouts", "soon"), "is (route, seconds into its view)"),
+        (("/payouts",), "is (route, seconds into its view)"),
+        ("/payouts", "is (route, seconds into its view)"),
+        (("/pay\x00outs", 0.3), "none of the requests is"),
+    ],
+)
+def test_a_kill_at_that_names_no_route_or_point_is_refused(kill_at: Any, said: str) -> None:
+    """``kill_at`` is checked before anything starts: a route of the requests, 0 to 4 s."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        run_fault_schedule(
+            "app:create_app()",
+            [("POST", "/payouts", {})],
+            database="postgresql://127.0.0.1:1/none",
+            kill_at=kill_at,
+        )
