@@ -34,7 +34,7 @@ from ..model import ClaimOutcome, KeyStatus, StoredResponse
 from ..stored_request import StoredRequest
 from .execution import Execution, HeldTransaction, bounded_transaction
 from .owner import GRACE_SECONDS, AnswerKept, Claiming, Owner
-from .pool import bounded, store_errors
+from .pool import bounded, is_connection_lost, store_errors
 from .records import job_params
 from .rows import claim_outcome
 from .sealing import refused, unreadable
@@ -319,15 +319,28 @@ class PostgresStore(Execution):
         stale: bool = False,
     ) -> PinnedClaim:
         """Claim on a connection held for a transactional view; the transaction is
-        returned only when this request owns the key (else it ends at once)."""
+        returned only when this request owns the key (else it ends at once).
+
+        Tried again once after a failure that ran nothing (:meth:`_recoverable`) or a
+        twin's row committed under it (:func:`raced`), and on another connection while the
+        one it took died under it (a pooled connection whose backend was terminated, or
+        restarted, while it waited in the pool), until ``IDEMPOTENCY_POOL_TIMEOUT +
+        IDEMPOTENCY_STATEMENT_TIMEOUT`` from the start, as a plain statement is: the claim
+        never commits on its own, so a dead connection took all of it with it."""
         self.replication.ensure()
         args = (tenant, key, fingerprint, terms, request)
-        try:
-            return self._claim_pinned(*args, stale=stale)
-        except StoreError as exc:
-            if not (self._recoverable(exc.__cause__) or raced(exc)):
-                raise
-        return self._claim_pinned(*args, stale=stale)
+        deadline = time.monotonic() + self.settings.pool_timeout + self.settings.statement_timeout
+        recovered = False
+        while True:
+            try:
+                return self._claim_pinned(*args, stale=stale)
+            except StoreError as exc:
+                if not recovered and (self._recoverable(exc.__cause__) or raced(exc)):
+                    recovered = True
+                    continue
+                if not is_connection_lost(exc.__cause__) or time.monotonic() >= deadline:
+                    raise
+                logger.warning("a connection died under a claim (%s): claiming again", exc)
 
     def _claim_pinned(
         self,

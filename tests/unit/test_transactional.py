@@ -40,6 +40,27 @@ def test_writes_and_response_commit_together_once(app: Flask, key: str, db: DB) 
     assert ledger_rows(db, key) == 1
 
 
+def test_a_claim_whose_pooled_connection_died_claims_on_another(
+    app: Flask, key: str, db: DB
+) -> None:
+    """The pool's idle connections die (their backends terminated, as after a restart or an
+    operator's ``pg_terminate_backend``): a transactional claim that takes one finds it dead
+    and claims on another, once the pool has one, instead of answering 503 (a fault
+    schedule's final look met that 503 after its last fault, terminate-backends). The dead
+    connection's transaction took nothing with it: the view runs once."""
+    client = app.test_client()
+    for n in range(3):  # connections in the pool, idle
+        assert post(client, "/ledger", f"{key}-warm-{n}", {"amount": 1}).status_code == 201
+    mine = "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+    others = f"{mine} AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+    db.execute(f"SELECT pg_terminate_backend(pid) FROM ({others}) AS o")
+    wait_until(lambda: db.execute(others).fetchall() == [])
+    answer = post(client, "/ledger", key, {"amount": 5})
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.get_json()["attempt"] == 1
+    assert ledger_rows(db, key) == 1
+
+
 @pytest.mark.parametrize("failure", ["raise", "release"])
 def test_failure_commits_nothing_and_a_retry_runs_afresh(
     app: Flask, key: str, db: DB, failure: str
