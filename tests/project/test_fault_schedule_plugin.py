@@ -273,10 +273,10 @@ def payouts_of(database):
     return payouts
 
 
-def test_the_payouts_kill_again_pays_twice(database, tmp_path):
+def payouts_killed_at(app, database, tmp_path):
     # the kill a violating key's story names, alone again: after the provider was called
-    report = run_fault_schedule(
-        "shop:create_app(defect='unkeyed')",
+    return run_fault_schedule(
+        app,
         [("POST", "/payouts", {"delay": 0.6})],
         database=database,
         seconds=5,
@@ -284,20 +284,16 @@ def test_the_payouts_kill_again_pays_twice(database, tmp_path):
         effects=payouts_of(database),
         logs=tmp_path,
     )
+
+
+def test_the_payouts_kill_again_pays_twice(database, tmp_path):
+    report = payouts_killed_at("shop:create_app(defect='unkeyed')", database, tmp_path)
     assert report.ok, str(report)
 
 
 def test_the_payouts_hold_the_same_kill(database, tmp_path):
     # the correct route (the provider given the key's downstream key) under the same kill
-    report = run_fault_schedule(
-        "shop:create_app()",
-        [("POST", "/payouts", {"delay": 0.6})],
-        database=database,
-        seconds=5,
-        kill_at=("/payouts", 0.3),
-        effects=payouts_of(database),
-        logs=tmp_path,
-    )
+    report = payouts_killed_at("shop:create_app()", database, tmp_path)
     assert report.ok, str(report)
     assert report.kills_in_views() == {"/payouts": 1}, report.kills
 
