@@ -147,19 +147,18 @@ def begin(
 def identify(
     settings: RouteSettings,
     tenant_loader: TenantLoader | None,
-    stored_key: str | None = None,
-    req: Request | None = None,
+    stored_key: str | None,
+    req: Request,
 ) -> Identity | None:
-    """The request's key (*stored_key*, a background run's, else the header's or the
-    route's ``key=`` function's), tenant and fingerprint; ``None`` when it has no key and
-    the route does not require one.
+    """The key of the request *req* (the request object, not Flask's proxy: each look
+    through the proxy costs a context lookup): *stored_key*, a background run's, else the
+    header's or the route's ``key=`` function's; its tenant and fingerprint. ``None`` when
+    it has no key and the route does not require one.
 
     :raises ProblemError: the key is missing (and required) or invalid, or the body is
         too large.
     :raises ConfigError: the route's ``key=`` function returned neither text nor None.
     """
-    # the request, not its proxy: each look through the proxy costs a context lookup
-    req = req if req is not None else request._get_current_object()  # type: ignore[attr-defined]
     try:
         key = stored_key if stored_key is not None else _key(settings, req)
     except ProblemError as exc:
