@@ -23,7 +23,7 @@ from flask import Flask
 from flask_idempotency import Idempotency
 
 #: apps built and dropped in one process
-APPS = 300
+APPS = 500
 #: how many apps are dropped between two runs of the cyclic collector
 COLLECT_EVERY = 10
 #: the most sessions the dropped apps may hold at once: those of the apps not collected
