@@ -372,7 +372,7 @@ class Operations:
         seen: KeyVersion | None = None,
     ) -> bool:
         """Delete a ``completed`` or ``retryable`` key, or the tombstone of an expired one
-        (SPEC §24; none on Citus yet), so that it may be used afresh; False when there is
+        (SPEC §24), so that it may be used afresh; False when there is
         no such key in those statuses nor a tombstone, or (with *seen*, what the operator
         saw) the key is no longer that version: used afresh, taken over."""
         params = {
@@ -383,7 +383,7 @@ class Operations:
         }
         if self._rows(FORGET, params):
             return True
-        return not self.store.citus and bool(self._rows(FORGET_TOMBSTONE, params))
+        return bool(self._rows(FORGET_TOMBSTONE, params))
 
     def rearm(
         self,

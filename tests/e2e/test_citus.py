@@ -751,6 +751,17 @@ def test_cleaner_reconciler_cli_and_console_on_the_distributed_tables(
     assert status("globex", "c1") == []
     audit = query(citus.url, f"SELECT actor, action, key FROM {names['IDEMPOTENCY_AUDIT_TABLE']}")
     assert audit == [("ann", "forget", "c1")]
+    # an expired key's tombstone forgotten (SPEC §24), audited: the key may be used afresh
+    result = cli.invoke(args=["idempotency-forget", "s1", "--tenant", "acme", "--actor", "ann"])
+    assert result.exit_code == 0, result.output
+    assert query(citus.url, f"SELECT count(*) FROM {tombstones}") == [(0,)]
+    audit = query(
+        citus.url,
+        f"SELECT action, key, status_before FROM {names['IDEMPOTENCY_AUDIT_TABLE']}"
+        " WHERE key = 's1'",
+    )
+    assert audit == [("forget", "s1", "expired")]
+    assert send("/staged", "s1", "acme").status_code == 201
     for page in ("/", "/keys", "/key?tenant=initech&key=u1", "/jobs", "/audit"):
         answer = client.get("/idempotency/console" + page)
         assert answer.status_code == 200, (page, answer.get_data(as_text=True)[:2000])
