@@ -58,7 +58,8 @@ class PrometheusMetrics:
     - ``idempotency_stuck_keys{state}``: claims whose lease ran out (``abandoned``),
       keys in ``unknown``, unknown keys whose reconciliation gave up (``exhausted``), and
       claims in their lease whose owner's session ended (``dead_owner``: a dead worker's,
-      abandoned at the next look), read from the database when scraped. Alert on them.
+      abandoned at the next look; 0 on Citus), read from the database when scraped. Alert
+      on them.
     - ``idempotency_deferred_keys``: ``asynchronous=True`` keys waiting for a run, and
       ``idempotency_jobs{state}``: staged jobs ``due`` (never tried, not failing),
       ``failing`` (failed at least once, not dead) and ``dead``; read when scraped too.

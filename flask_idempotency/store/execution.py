@@ -208,15 +208,19 @@ class Execution:
             return None
         with self._lock:
             if self._owner is None or self._owner.pid != os.getpid():
-                self._owner = Owner(
-                    self._owner_connection,
-                    self.run,
-                    Statement(self.render(RENEW)),
-                    Statement(self.render(DISOWN)),
-                    settings.statement_timeout,
-                    Statement(self.render(HAND_BACK, notify=self._wake_twins())),
-                )
+                self._owner = self._new_owner()
             return self._owner
+
+    def _new_owner(self) -> Owner:
+        """This process's owner, with its statements."""
+        return Owner(
+            self._owner_connection,
+            self.run,
+            Statement(self.render(RENEW)),
+            Statement(self.render(DISOWN)),
+            self.settings.statement_timeout,
+            Statement(self.render(HAND_BACK, notify=self._wake_twins())),
+        )
 
     def _wake_twins(self) -> sql.Composable:
         """SQL: the NOTIFY that wakes the requests waiting for the key ``%(lock_id)s``."""

@@ -46,6 +46,7 @@ from .statements_background import (
     SHOW_KEY,
 )
 from .statements_citus import (
+    COUNT_STUCK_CITUS,
     EXPIRED_JOINED,
     EXPIRED_RECHECK,
     TOMBSTONE_JOINED,
@@ -79,6 +80,7 @@ class Maintenance:
         self._show_key = statement(SHOW_KEY)
         self._list_jobs = statement(LIST_JOBS)
         self._count_stuck = statement(COUNT_STUCK)
+        self._citus_count_stuck = statement(COUNT_STUCK_CITUS)
         self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
         self._list_exhausted = statement(LIST_EXHAUSTED)
         self._end_lease = statement(END_LEASE)
@@ -178,7 +180,8 @@ class Maintenance:
             "max_attempts": max_attempts,
             "retired_unknown_index": self.store.schema.retired_unknown_index,
         }
-        counts = record_of(StuckCounts, self.store.fetch(self._count_stuck, params))
+        count = self._citus_count_stuck if self.store.citus else self._count_stuck
+        counts = record_of(StuckCounts, self.store.fetch(count, params))
         assert counts is not None
         return counts
 

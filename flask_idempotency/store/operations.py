@@ -34,6 +34,7 @@ from .rows import is_storable_text, storable_text
 from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
 from .statement import Statement
 from .statements_background import RESOLVE_KEY
+from .statements_citus import KEY_DETAIL_CITUS
 from .statements_console import (
     AUDIT_PAGE,
     BEAT,
@@ -244,8 +245,16 @@ class Operations:
     ) -> KeyDetail | None:
         """Everything about one key, its body cut to *preview* bytes; None if absent."""
         params = {"tenant": tenant, "key": key, "max_attempts": max_attempts, "preview": preview}
-        rows = self._rows(KEY_DETAIL, params)
-        return self._opened(KeyDetail(**rows[0]), preview) if rows else None
+        citus = self.store.citus
+        rows = self._rows(KEY_DETAIL_CITUS if citus else KEY_DETAIL, params)
+        if not rows:
+            return None
+        detail = KeyDetail(**rows[0])
+        if citus and detail.owner_state == "alive" and detail.owner_id is not None:
+            # read on the shard's node as alive: every node is asked (SPEC §22)
+            if self.store.owner_free_on_citus(detail.owner_id, detail.updated_at):
+                detail = dataclasses.replace(detail, owner_state="gone")
+        return self._opened(detail, preview)
 
     def tombstone(self, tenant: str, key: str) -> Tombstone | None:
         """The tombstone of an expired key (SPEC §24); None if it has none."""

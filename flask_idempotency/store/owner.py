@@ -167,8 +167,10 @@ class Owner:
     again on a lost connection), on which the renewals (*renew*), the kept answers, the
     hand-back of claims whose answer was lost (*hand_back*) and, should the lock turn out
     not to be its session's, the hand-over of its claims to their leases (*disown*) are
-    sent; *timeout* bounds each statement on the lock's connection. The threads start at
-    the first :meth:`current` of the process.
+    sent; *timeout* bounds each statement on the lock's connection; *lock_is_mine* says
+    whether the lock is this session's and seen by every other (default
+    :data:`LOCK_IS_MINE`; on Citus, also on a node of the cluster's metadata). The threads
+    start at the first :meth:`current` of the process.
     """
 
     def __init__(
@@ -179,12 +181,14 @@ class Owner:
         disown: Statement,
         timeout: float,
         hand_back: Statement | None = None,
+        lock_is_mine: str | None = None,
     ) -> None:
         self._connect = connect
         self._run = run
         self._renew = renew
         self._disown = disown
         self._hand_back = hand_back
+        self._lock_is_mine = lock_is_mine
         self._timeout = timeout
         self.id = new_owner_id()
         self.host = socket.gethostname()[:255]
@@ -424,15 +428,18 @@ class Owner:
         judged by their lease from now on (their ``owner_claim`` cleared), never by a lock
         that may vanish while it lives."""
         with bounded(conn, self._timeout):
-            mine = conn.execute(LOCK_IS_MINE, {"owner": self.id}, prepare=False).fetchone()
+            mine = conn.execute(
+                self._lock_is_mine or LOCK_IS_MINE, {"owner": self.id}, prepare=False
+            ).fetchone()
         if mine and mine[0]:
             return True
         self.usable = False
         self._holding.clear()
         logger.warning(
             "owner lock: the lock is not held by this session (a transaction pooler is in"
-            " between): this process runs on leases alone; set IDEMPOTENCY_OWNER_DATABASE_URL"
-            " to a direct URL"
+            " between: set IDEMPOTENCY_OWNER_DATABASE_URL to a direct URL), or, on Citus, its"
+            " node is not in the cluster's metadata (citus_set_coordinator_host): this process"
+            " runs on leases alone"
         )
         with self._lock:
             held = [claim.params for claim in self._held.values()]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -40,7 +39,7 @@ from .rows import claim_outcome
 from .sealing import refused, unreadable
 from .statement import Statement, execute
 from .statements_citus import CLAIM as CLAIM_CITUS
-from .statements_citus import CLAIM_NEW, FINISH_CITUS
+from .statements_citus import CLAIM_NEW, FINISH_CITUS, LOCK_IS_MINE_CITUS, OWNER_FREE, RENEW_CITUS
 from .statements_request import (
     ADVANCE,
     ASYNC_CLAIM,
@@ -49,6 +48,7 @@ from .statements_request import (
     CLAIM_FIRST,
     COMPLETE,
     DEFER,
+    DISOWN,
     FINISH,
     FINISHED,
     FORGET,
@@ -151,6 +151,7 @@ class PostgresStore(Execution):
             for staging in (False, True)
         }
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
+        self._citus_owner_free = self.statement(OWNER_FREE)
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
         self.tombstone_seconds = settings.tombstone_ttl.total_seconds()
         self._said_citus = False
@@ -168,21 +169,42 @@ class PostgresStore(Execution):
                     self.schema.state(conn)
         return bool(self.schema.citus)
 
-    @property
-    def owner(self) -> Owner | None:
-        """As :attr:`.Execution.owner`; None on Citus, where the owner lock cannot be seen
-        from the shard a claim lives on (its ``pg_locks`` are its node's): leases alone,
-        said once in the log."""
-        if not self.settings.owner_lock or not self.citus:
-            return super().owner
-        if not self._said_citus:
-            self._said_citus = True
+    def _new_owner(self) -> Owner:
+        """As :meth:`.Execution._new_owner`; on Citus, its renewals as Citus takes them, its
+        lock counted only on a node of the cluster's metadata (where the other nodes look),
+        and no hand-back (a claim whose answer was lost is left to its lease)."""
+        if not self.citus:
+            return super()._new_owner()
+        return Owner(
+            self._owner_connection,
+            self.run,
+            self.statement(RENEW_CITUS),
+            Statement(self.render(DISOWN)),
+            self.settings.statement_timeout,
+            None,
+            LOCK_IS_MINE_CITUS,
+        )
+
+    def owner_free_on_citus(self, owner: int, since: datetime) -> bool:
+        """Whether no node of the Citus cluster holds the owner lock *owner*, and none
+        started after *since* (the claim's last write): asked of every node at once, from
+        the node this process entered at (:data:`~.statements_citus.OWNER_FREE`). A node
+        that does not answer, or a store that fails, makes it held: the claim waits for its
+        lease."""
+        try:
+            _, row = self.run(self._citus_owner_free, {"owner": owner, "since": since})
+        except StoreError as exc:
             logger.info(
-                "no owner lock on Citus (pid %d): claims in flight are judged by their lease"
-                " alone (a dead worker's keys wait for IDEMPOTENCY_LEASE to end)",
-                os.getpid(),
+                "owner %d: the cluster could not be asked (%s); judged by its lease", owner, exc
             )
-        return None
+            return False
+        return bool(row and row[0])
+
+    def dead_owners(self, owners: Statement) -> list[int]:
+        """As :meth:`.Execution.dead_owners`; none on Citus, where the background commands
+        judge claims by their lease alone (the request path asks every node:
+        :meth:`owner_free_on_citus`)."""
+        return [] if self.citus else super().dead_owners(owners)
 
     # -- the request path ----------------------------------------------------------
 
@@ -282,9 +304,21 @@ class PostgresStore(Execution):
         self, params: dict[str, Any], pinned: HeldTransaction | None
     ) -> tuple[Any, ...] | None:
         """The claim's row on Citus: the decision (one task), then the insert of a new key
-        whose lock was granted (one task, in *pinned*'s transaction when there is one)."""
+        whose lock was granted (one task, in *pinned*'s transaction when there is one).
+
+        A claim in flight that an owner speaks for names it (``free_owner``), and every node
+        is asked whether its lock is free (:meth:`owner_free_on_citus`); held, the claim is
+        in progress. Asked again with *gone_owner* (the caller waited
+        :data:`~.owner.GRACE_SECONDS`), the claim is read, the nodes asked once more, and
+        only if the same owner is still free is the claim sent naming it, to take it over."""
         claim = self._citus_claim if pinned is None else self._citus_claim_pinned
-        _, row = self.run(claim, params, pinned)
+        gone = params["gone_owner"]
+        _, row = self.run(claim, {**params, "gone_owner": None}, pinned)
+        if row is not None and row[14] is not None:
+            if not self.owner_free_on_citus(row[14], row[15]):
+                row = (*row[:14], None, *row[15:])
+            elif row[14] == gone:
+                _, row = self.run(claim, params, pinned)
         if row is None or not row[16]:
             return row
         _, inserted = self.run(self._citus_claim_new, params, pinned)

@@ -299,6 +299,7 @@ class KeyDetail:
     owner_host: str | None = None
     owner_pid: int | None = None
     owner_state: str | None = None
+    owner_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,9 +21,16 @@ So on Citus the claim is :data:`CLAIM` (one ``SELECT``: the row read, the decisi
 advisory lock taken on the shard's node) and, for a key that has no row yet and whose lock
 was granted, :data:`CLAIM_NEW` (``INSERT … VALUES … ON CONFLICT DO NOTHING``, one task):
 a second round trip for new keys only. The unique key of the shard decides between twins
-that entered at different nodes. Claims record no owner (the owner lock is per node:
-``pg_locks`` read inside a statement routed to a shard is the shard node's, where a live
-owner would look dead): on Citus processes run on leases alone.
+that entered at different nodes.
+
+The owner lock (SPEC §20) is per node: a process holds it on the node it entered at, and
+``pg_locks`` read inside a statement routed to the shard is the shard node's, where a live
+owner would look dead. So the claim records its owner and, meeting a claim in flight that an
+owner speaks for, says which (``free_owner``); the caller asks every node at once
+(:data:`OWNER_FREE`, on the node it entered at, outside the claim) whether any holds that
+lock or started after the claim's last write; free everywhere, and still free
+:data:`~.owner.GRACE_SECONDS` later, the claim is sent again naming the owner
+(``gone_owner``) and takes the key over. The renewals are :data:`RENEW_CITUS`.
 
 The texts are the plain ones where Citus takes them as they are; what differs is derived
 here from them, so that the plain PostgreSQL statements stay exactly as they are.
@@ -33,23 +40,38 @@ from __future__ import annotations
 
 import re
 
-from .statements_background import DELETE_JOBS, DUE_JOBS, FAIL_JOBS, TAKE_OVER, UNRESERVE
+from .owner import LOCK_IS_MINE, lock_free
+from .statements_background import (
+    COUNT_STUCK,
+    DELETE_JOBS,
+    DUE_JOBS,
+    FAIL_JOBS,
+    TAKE_OVER,
+    UNRESERVE,
+)
+from .statements_console import KEY_DETAIL
 from .statements_request import EXPIRY, FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
 
 __all__ = [
     "CLAIM",
     "CLAIM_NEW",
+    "LOCK_IS_MINE_CITUS",
+    "OWNER_FREE",
+    "RENEW_CITUS",
     "DELETE_JOBS_CITUS",
     "DUE_JOBS_CITUS",
     "DUE_TENANTS",
     "FAIL_JOBS_CITUS",
+    "COUNT_STUCK_CITUS",
     "FINISH_CITUS",
+    "KEY_DETAIL_CITUS",
     "TAKE_OVER_CITUS",
     "UNRESERVE_CITUS",
 ]
 
-# The decision, as statements_request.CLAIM makes it without an owner lock (no owner on
-# Citus: a claim in flight is abandoned when its lease ends). The clock's values are read
+# The decision, as statements_request.CLAIM makes it, the owner lock looked at by the caller
+# (OWNER_FREE): a claim in flight is abandoned when its lease ends, or when the owner that
+# speaks for it (owned) is the one the caller found gone. The clock's values are read
 # once, in ``fresh``: Citus takes now() in a SELECT, not inside a CASE of an UPDATE's SET.
 # The row this request must insert (a new key, lock granted) is said by ``insert_new``;
 # the caller sends CLAIM_NEW in the same transaction (or right after it, for a claim in
@@ -65,7 +87,9 @@ WITH seen AS (
            extract(epoch FROM expires_at - now()) AS expires_in, expires_at,
            response_status, response_headers, response_body,
            extract(epoch FROM now() - updated_at) AS idle_for,
-           extract(epoch FROM locked_until - now()) AS lease_left
+           extract(epoch FROM locked_until - now()) AS lease_left,
+           owner_id, status = 'processing' AND locked_until > now() AND owner_id IS NOT NULL
+                     AND owner_claim = generation + attempt AS owned
     FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
 ), buried AS (
     SELECT fingerprint, first_status, completed_at, expired_at FROM {tombstones}
@@ -78,11 +102,14 @@ WITH seen AS (
             THEN 'expired'
 """
     + SETTLED_DECISIONS
-    + """        WHEN seen.lease_over THEN
+    + """        WHEN seen.lease_over
+             OR (seen.owned AND seen.owner_id = %(gone_owner)s::bigint) THEN
             CASE coalesce(seen.on_abandoned, %(on_abandoned)s::text)
                 WHEN 'unknown' THEN 'marked_unknown' ELSE 'taken_over' END
         ELSE 'in_progress'
-    END AS decision
+    END AS decision,
+    coalesce(NOT seen.lease_over AND seen.owned AND seen.owner_id = %(gone_owner)s::bigint,
+             false) AS owner_dead
     FROM (VALUES (1)) AS one (x) LEFT JOIN seen ON true LEFT JOIN buried ON true{commit_mode}
 ), fresh AS (
     SELECT (extract(epoch FROM now()) * 1000000)::bigint AS generation, now() AS at,
@@ -109,13 +136,15 @@ WITH seen AS (
         response_status = NULL, response_headers = NULL, response_body = NULL,
         request = %(request)s, request_body = %(request_body)s,
         on_abandoned = %(on_abandoned)s, ttl_seconds = %(ttl)s,
-        owner_id = NULL, owner_claim = NULL,
+        owner_id = %(owner)s::bigint,
+        owner_claim = CASE WHEN intent.decision = 'claimed' THEN fresh.generation + 1
+                           ELSE k.generation + k.attempt + 1 END,
         owner_host = %(owner_host)s::text, owner_pid = %(owner_pid)s::integer
     FROM lock, intent, seen, fresh
     WHERE lock.granted AND intent.decision IN ('claimed', 'taken_over')
       AND k.tenant = %(tenant)s AND k.key = %(key)s
       AND (k.attempt, k.generation, k.status) = (seen.attempt, seen.generation, seen.status)
-      AND (k.status <> 'processing' OR k.locked_until <= fresh.at)
+      AND (k.status <> 'processing' OR k.locked_until <= fresh.at OR intent.owner_dead)
     RETURNING k.attempt, k.generation, k.recovery_point
 ), marked AS (
     UPDATE {table} AS k
@@ -131,7 +160,9 @@ SELECT intent.decision, taken.attempt, taken.generation, taken.recovery_point,
        (SELECT count(*) FROM marked), seen.status, seen.attempt,
        coalesce(seen.response_status, buried.first_status), seen.response_headers,
        seen.response_body, seen.expires_in, coalesce(seen.expires_at, buried.expired_at),
-       seen.idle_for, seen.lease_left, NULL::bigint AS free_owner,
+       seen.idle_for, seen.lease_left,
+       CASE WHEN intent.decision = 'in_progress' AND seen.owned
+                 AND %(gone_owner)s::bigint IS NULL THEN seen.owner_id END AS free_owner,
        coalesce(seen.updated_at, buried.completed_at),
        coalesce(lock.granted AND intent.decision = 'claimed' AND seen.status IS NULL, false)
            AS insert_new
@@ -149,7 +180,8 @@ CLAIM_NEW = (
     """
 INSERT INTO {table}
     (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
-     request, request_body, on_abandoned, ttl_seconds, owner_host, owner_pid)
+     request, request_body, on_abandoned, ttl_seconds, owner_id, owner_claim, owner_host,
+     owner_pid)
 VALUES (%(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
         (extract(epoch FROM now()) * 1000000)::bigint,
         now() + make_interval(secs => %(lease)s),
@@ -157,11 +189,58 @@ VALUES (%(tenant)s, %(key)s, %(fingerprint)s, 'processing', 1,
     + str(FINISH_GRACE_SECONDS)
     + """),
         %(request)s, %(request_body)s, %(on_abandoned)s, %(ttl)s,
+        %(owner)s::bigint, (extract(epoch FROM now()) * 1000000)::bigint + 1,
         %(owner_host)s::text, %(owner_pid)s::integer)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING attempt, generation, recovery_point
 """
 )
+
+# Whether the owner lock %(owner)s is free on every node of the cluster, none of which
+# started after %(since)s (the claim's last write: a node restarted since then ended every
+# session on it, and an owner there may not have taken its lock again yet, so its claim is
+# judged by its lease, as statements_request.CLAIM judges one made before its server's
+# start). A node that does not answer makes it held. Sent on the node the request entered at
+# (run_command_on_all_nodes asks every active primary node of the metadata; an owner whose
+# own node is not in the metadata holds no lock the others can see: LOCK_IS_MINE_CITUS).
+OWNER_FREE = (
+    "SELECT count(*) > 0 AND coalesce(bool_and(success AND result = 't'), false)"
+    " FROM run_command_on_all_nodes(format('SELECT "
+    + lock_free("%1$s::bigint").replace("'", "''")
+    + " AND pg_postmaster_start_time() <= %2$L::timestamptz',"
+    " %(owner)s::bigint, %(since)s::timestamptz))"
+)
+
+# The owner's lock counts only where the other nodes see it: held by this session, on a node
+# that is an active primary of the cluster's metadata (a coordinator never added to it,
+# citus_set_coordinator_host, is not asked by run_command_on_all_nodes from a worker).
+LOCK_IS_MINE_CITUS = (
+    LOCK_IS_MINE.rstrip()[: -len(")")]
+    + """)
+   AND EXISTS (SELECT FROM pg_dist_node
+               WHERE isactive AND noderole = 'primary'
+                 AND groupid = (SELECT groupid FROM pg_dist_local_group))
+"""
+)
+
+# The renewals (statements_request.RENEW): Citus refuses FOR UPDATE over many shards, and
+# now() beside a column in an UPDATE's SET, so each claim's new lease is computed first (a
+# materialized CTE, sent with every shard's task), and a renewal waits for a row lock rather
+# than skipping it (the owner's own finish: a moment). One statement for all the claims in
+# flight, a task per shard.
+RENEW_CITUS = """
+WITH held AS MATERIALIZED (
+    SELECT tenant, key, attempt, generation, now() + make_interval(secs => lease) AS until
+    FROM unnest(%(tenants)s::text[], %(keys)s::text[], %(attempts)s::integer[],
+                %(generations)s::bigint[], %(leases)s::float8[])
+         AS held (tenant, key, attempt, generation, lease)
+)
+UPDATE {table} AS k SET locked_until = held.until
+FROM held
+WHERE (k.tenant, k.key, k.attempt, k.generation)
+    = (held.tenant, held.key, held.attempt, held.generation)
+  AND k.status = 'processing' AND k.locked_until IS NOT NULL AND k.owner_id = %(owner)s
+"""
 
 _DUE = "reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END"
 # the same value, with no function inside the CASE (now() + NULL is NULL)
@@ -174,6 +253,17 @@ if _DUE not in FINISH:  # pragma: no cover - a change of FINISH must be carried 
 # The finish, as statements_request.FINISH, rendered with ``{notify}`` as ``1`` and
 # ``{commit_mode}`` empty (Citus refuses both: see the module's docstring).
 FINISH_CITUS = FINISH.replace(_DUE, _DUE_CITUS)
+
+
+# What a person is told of a claim's owner (statements_background.OWNER_STATE) cannot be
+# read inside a statement routed to the shard (its pg_locks are the shard node's): there an
+# owned claim in its lease reads 'alive', and the console's key page asks every node
+# (OWNER_FREE) whether it is 'gone'; the count of claims whose owner is gone (a metric) is 0.
+_OWNER_LOCK_FREE = lock_free("owner_id")
+if _OWNER_LOCK_FREE not in KEY_DETAIL or _OWNER_LOCK_FREE not in COUNT_STUCK:  # pragma: no cover
+    raise RuntimeError("statements_citus: OWNER_STATE changed; carry the change over")
+KEY_DETAIL_CITUS = KEY_DETAIL.replace(_OWNER_LOCK_FREE, "false")
+COUNT_STUCK_CITUS = COUNT_STUCK.replace(_OWNER_LOCK_FREE, "false")
 
 
 # -- the batches (SPEC §22): no row locks across shards ------------------------------------------

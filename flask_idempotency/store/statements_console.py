@@ -173,7 +173,7 @@ SELECT tenant, key, status, attempt, generation, recovery_point,
        request, CASE WHEN request = '{{"sealed":1}}' THEN request_body END AS request_sealed,
        octet_length(request_body) AS request_body_length,
        status = 'unknown' AND reconcile_attempts >= %(max_attempts)s AS exhausted,
-       owner_host, owner_pid, """
+       owner_id, owner_host, owner_pid, """
     + OWNER_STATE
     + """ AS owner_state
 FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from flask import Flask
 
+from flask_idempotency import Idempotency
 from flask_idempotency.testing.citus import CitusCluster, find_tarball
 from tests.support.pgbouncer import PgBouncer
 
@@ -27,3 +30,20 @@ def citus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CitusCluster]:
     tarball = find_tarball(Path(__file__).resolve().parents[2])
     with CitusCluster(tmp_path_factory.mktemp("citus"), tarball=tarball) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def node_app() -> Iterator[Callable[..., Flask]]:
+    """Apps on a node of the Citus cluster (or any URL); their pools closed after the test."""
+    apps: list[Flask] = []
+
+    def make(url: str, **config: Any) -> Flask:
+        app = Flask(__name__)
+        app.config.update(IDEMPOTENCY_DATABASE_URL=url, **config)
+        Idempotency(app)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.extensions["idempotency"].store.close()

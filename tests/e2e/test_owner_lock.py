@@ -441,17 +441,14 @@ def test_a_postgres_restart_never_lets_a_running_view_be_taken_over(
     assert_replays(server.port, "/retry", key, answer)
 
 
-def test_the_client_with_its_defaults_gets_through_a_workers_death(
-    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
-) -> None:
-    """SPEC §20: the client's defaults (``max_elapsed=30``, ``backoff=0.5``) and the
-    server's answers fit: a worker killed under the request, the client retries the same
-    key and gets the view's fresh run (attempt 2) well within its budget."""
+def client_through_a_workers_death(db: DB, port: int) -> tuple[Any, float]:
+    """A request sent by the client with its defaults (``IdempotentAdapter``) to ``/retry``
+    at *port*, the worker running its view killed (``kill -9``): its answer, and how long
+    after the kill it came. *db* holds the executions and the gates."""
     import requests
 
     from flask_idempotency.client import IdempotentAdapter
 
-    server = serve(start_gunicorn, database_url, database_url)
     key = f"client-{uuid.uuid4()}"
     gate = f"gate-{uuid.uuid4()}"
     db.execute("INSERT INTO e2e_gates (name) VALUES (%s)", (gate,))
@@ -462,7 +459,7 @@ def test_the_client_with_its_defaults_gets_through_a_workers_death(
     def call() -> None:
         answers.append(
             session.post(
-                f"http://127.0.0.1:{server.port}/retry",
+                f"http://127.0.0.1:{port}/retry",
                 json={"amount": 100},
                 headers={"Idempotency-Key": key, "X-Gate": gate},
                 timeout=60,
@@ -486,5 +483,16 @@ def test_the_client_with_its_defaults_gets_through_a_workers_death(
     print(f"kill -9 to the client's answer: {took:.2f} s")
     assert answer.status_code == 201, answer.text
     assert answer.json()["attempt"] == 2
-    assert took < 5.0  # one back-off (at most 0.5 s) and the grace, not the 60 s lease
     assert [a for a, _ in runs(db, key)] == [1, 2]
+    return answer, took
+
+
+def test_the_client_with_its_defaults_gets_through_a_workers_death(
+    start_gunicorn: Callable[..., GunicornServer], database_url: str, db: DB
+) -> None:
+    """SPEC §20: the client's defaults (``max_elapsed=30``, ``backoff=0.5``) and the
+    server's answers fit: a worker killed under the request, the client retries the same
+    key and gets the view's fresh run (attempt 2) well within its budget."""
+    server = serve(start_gunicorn, database_url, database_url)
+    _, took = client_through_a_workers_death(db, server.port)
+    assert took < 5.0  # one back-off (at most 0.5 s) and the grace, not the 60 s lease
