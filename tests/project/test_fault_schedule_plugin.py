@@ -357,6 +357,9 @@ def test_planted_defects_fail_with_the_seed_and_the_key(
         r" run_fault_schedule\(\.\.\., kill_at=\('/payouts', [\d.]+\)\) does it alone again",
         output,
     ), output
+    # aimed 0.3 s into the view: it lands there or later, never earlier (a fresh-clone CI run
+    # beside other work saw 0.61 s)
     assert re.search(
-        r"killed: SIGKILL worker \d+ 0\.[3-5]\d s into the view of /payouts", output
-    ), "the kill_at run's kill did not land 0.3 s (or a little later) into a payout"
+        r"killed: SIGKILL worker \d+ (0\.[3-9]\d|[1-9]\d*\.\d+) s into the view of /payouts",
+        output,
+    ), "the kill_at run's kill did not land 0.3 s (or later) into a payout"
