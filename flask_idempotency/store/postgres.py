@@ -39,6 +39,7 @@ from .rows import claim_outcome
 from .sealing import refused, unreadable
 from .statement import Statement, execute
 from .statements_citus import CLAIM as CLAIM_CITUS
+from .statements_citus import CLAIM_FIRST as CLAIM_FIRST_CITUS
 from .statements_citus import CLAIM_NEW, FINISH_CITUS, LOCK_IS_MINE_CITUS, OWNER_FREE, RENEW_CITUS
 from .statements_request import (
     ADVANCE,
@@ -142,6 +143,12 @@ class PostgresStore(Execution):
             else self.statement(CLAIM_CITUS, commit_mode=sql.SQL(ASYNC_CLAIM))
         )
         self._citus_claim_new = self.statement(CLAIM_NEW)
+        self._citus_first_pinned = self.statement(CLAIM_FIRST_CITUS, commit_mode=sql.SQL(""))
+        self._citus_first = (
+            self._citus_first_pinned
+            if settings.synchronous_claim
+            else self.statement(CLAIM_FIRST_CITUS, commit_mode=sql.SQL(ASYNC_CLAIM))
+        )
         self._citus_finishes = {
             staging: self.statement(
                 _staging(FINISH_CITUS) if staging else FINISH_CITUS,
@@ -303,17 +310,24 @@ class PostgresStore(Execution):
     def _claim_on_citus(
         self, params: dict[str, Any], pinned: HeldTransaction | None
     ) -> tuple[Any, ...] | None:
-        """The claim's row on Citus: the decision (one task), then the insert of a new key
-        whose lock was granted (one task, in *pinned*'s transaction when there is one).
+        """The claim's row on Citus: the first look (one task, writing nothing: a settled key
+        answered, a new key's lock taken), else the decision (one task); then the insert of a
+        new key whose lock was granted (one task, in *pinned*'s transaction when there is
+        one).
 
         A claim in flight that an owner speaks for names it (``free_owner``), and every node
         is asked whether its lock is free (:meth:`owner_free_on_citus`); held, the claim is
         in progress. Asked again with *gone_owner* (the caller waited
         :data:`~.owner.GRACE_SECONDS`), the claim is read, the nodes asked once more, and
         only if the same owner is still free is the claim sent naming it, to take it over."""
-        claim = self._citus_claim if pinned is None else self._citus_claim_pinned
         gone = params["gone_owner"]
-        _, row = self.run(claim, {**params, "gone_owner": None}, pinned)
+        claim = self._citus_claim if pinned is None else self._citus_claim_pinned
+        row = None
+        if gone is None:  # the first look: a settled key answered, a new key's lock taken
+            first = self._citus_first if pinned is None else self._citus_first_pinned
+            _, row = self.run(first, params, pinned)
+        if row is None or row[0] is None:
+            _, row = self.run(claim, {**params, "gone_owner": None}, pinned)
         if row is not None and row[14] is not None:
             if not self.owner_free_on_citus(row[14], row[15]):
                 row = (*row[:14], None, *row[15:])

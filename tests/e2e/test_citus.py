@@ -616,7 +616,9 @@ def test_the_request_paths_plans_are_one_task(
     finish = {**fence, "status": "completed", "ttl": 3600.0, **response}
     resolve = {**finish, "ttl": timedelta(hours=1), "attempt": None, "generation": None}
     statements = {
-        "claim (and replay)": (store._citus_claim, claim),
+        "first look (replay, a new key's lock)": (store._citus_first, claim),
+        "first look, transactional": (store._citus_first_pinned, claim),
+        "claim": (store._citus_claim, claim),
         "claim, transactional": (store._citus_claim_pinned, claim),
         "claim of a new key": (store._citus_claim_new, claim),
         "finish": (store._citus_finishes[False], finish),
