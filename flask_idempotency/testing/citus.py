@@ -36,7 +36,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -234,6 +234,7 @@ class CitusCluster(Service):
         self.workers: list[PostgresServer] = []
         #: seconds the last :meth:`start` spent building Citus (0.0: found in the cache)
         self.build_seconds = 0.0
+        self._restarts = 0
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -251,6 +252,24 @@ class CitusCluster(Service):
     def worker_urls(self) -> list[str]:
         """libpq URLs of the workers' ``postgres`` databases (queries may enter there too)."""
         return [worker.url for worker in self.workers]
+
+    def fault_kinds(self) -> dict[str, Callable[[], str]]:
+        """``restart-worker`` (:meth:`restart_worker`), for
+        :func:`~flask_idempotency.testing.run_fault_schedule`'s ``more_faults`` (the
+        coordinator, the schedule's ``server``, has the schedule's own restarts)."""
+        return {"restart-worker": self.restart_worker}
+
+    def restart_worker(self) -> str:
+        """A worker node restarted at once (``pg_ctl stop -m immediate``, then started), the
+        workers in turn; what happened, in a line."""
+        worker = self.workers[self._restarts % len(self.workers)]
+        self._restarts += 1
+        started = time.monotonic()
+        worker.stop("immediate")
+        worker.start()
+        return (
+            f"worker on port {worker.port} restarted, up {time.monotonic() - started:.1f} s later"
+        )
 
     def start(self) -> None:
         """Build (or find) Citus, start every node, make them one cluster."""
