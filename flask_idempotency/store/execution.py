@@ -80,6 +80,9 @@ class HeldTransaction:
         self.autocommit = autocommit
         #: True once :meth:`commit` or :meth:`roll_back` ended it
         self.ended = False
+        #: while set, the seconds each statement joining it may take at most (a claim
+        #: tried again on another connection, within what is left of its first try's bound)
+        self.within: float | None = None
 
     @property
     def lost(self) -> bool:
@@ -530,6 +533,8 @@ class Execution:
         connect) answers as soon as a first try would, one that restarts is waited for."""
         seconds = self.settings.statement_timeout
         wait = timeout
+        if pinned is not None and pinned.within is not None:
+            timeout = pinned.within
         if timeout is not None:
             seconds = min(seconds, max(timeout, _LEAST_STATEMENT_SECONDS))
             wait = min(timeout, self.settings.pool_timeout)
@@ -557,12 +562,15 @@ class Execution:
 
     # -- held transactions -------------------------------------------------------------
 
-    def hold(self) -> HeldTransaction:
+    def hold(self, within: float | None = None) -> HeldTransaction:
         """Check a connection out, in a transaction held across statements (a
         transactional view's, a completer's rerun of one, a dispatcher's batch): the
-        one owner of its end is the returned :class:`HeldTransaction`."""
-        conn = self._checkout()
+        one owner of its end is the returned :class:`HeldTransaction`. With *within*
+        (seconds), the wait for the connection and each statement joining the transaction
+        take at most that long, until its ``within`` is cleared."""
+        conn = self._checkout(None if within is None else min(within, self.settings.pool_timeout))
         held = HeldTransaction(self, conn, conn.autocommit)
+        held.within = within
         conn.autocommit = False
         return held
 

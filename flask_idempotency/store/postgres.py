@@ -374,19 +374,23 @@ class PostgresStore(Execution):
         one it took died under it (a pooled connection whose backend was terminated, or
         restarted, while it waited in the pool), until ``IDEMPOTENCY_POOL_TIMEOUT +
         IDEMPOTENCY_STATEMENT_TIMEOUT`` from the start, as a plain statement is: the claim
-        never commits on its own, so a dead connection took all of it with it."""
+        never commits on its own, so a dead connection took all of it with it. A try after a
+        dead connection waits for its connection, and for each statement, at most what is
+        left of that bound."""
         self.replication.ensure()
         args = (tenant, key, fingerprint, terms, request)
         deadline = time.monotonic() + self.settings.pool_timeout + self.settings.statement_timeout
         recovered = False
+        within: float | None = None  # the first try: the pool's and the statements' own
         while True:
             try:
-                return self._claim_pinned(*args, stale=stale)
+                return self._claim_pinned(*args, stale=stale, within=within)
             except StoreError as exc:
                 if not recovered and (self._recoverable(exc.__cause__) or raced(exc)):
                     recovered = True
                     continue
-                if not is_connection_lost(exc.__cause__) or time.monotonic() >= deadline:
+                within = deadline - time.monotonic()
+                if not is_connection_lost(exc.__cause__) or within <= 0:
                     raise
                 logger.warning("a connection died under a claim (%s): claiming again", exc)
 
@@ -400,8 +404,9 @@ class PostgresStore(Execution):
         gone_owner: int | None = None,
         *,
         stale: bool = False,
+        within: float | None = None,
     ) -> PinnedClaim:
-        held = self.hold()
+        held = self.hold(within)
         try:
             outcome = self.claim(
                 tenant, key, fingerprint, terms, request, held, gone_owner, stale=stale
@@ -409,6 +414,7 @@ class PostgresStore(Execution):
         except BaseException:
             held.roll_back()
             raise
+        held.within = None  # the view's statements and the finish: their own bounds
         if outcome.owns_key:
             return PinnedClaim(outcome, held)
         held.commit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -13,6 +14,8 @@ from psycopg.rows import TupleRow
 from werkzeug.test import TestResponse
 
 from flask_idempotency import signals
+from flask_idempotency.errors import StoreError
+from flask_idempotency.store.statement import Statement
 from tests.support.helpers import (
     count,
     executions,
@@ -221,3 +224,36 @@ def test_a_zombie_cannot_advance_the_recovery_point(
     assert count(db, "SELECT count(*) FROM orders WHERE key = %s", key) == 1
     replay = post(app.test_client(), "/phased", key)
     assert replay.data == second.data
+
+
+def test_a_claim_tried_again_waits_at_most_what_is_left_of_its_bound(
+    make_app: Callable[..., Flask],
+) -> None:
+    """A transactional claim tried again after its connection died (its held transaction
+    ``within`` what is left of the first try's bound) waits for a connection, and for each
+    statement, at most that long: never a whole pool timeout or statement timeout more."""
+    app = make_app(
+        IDEMPOTENCY_POOL_MAX_SIZE=1, IDEMPOTENCY_POOL_TIMEOUT=5, IDEMPOTENCY_STATEMENT_TIMEOUT=5
+    )
+    store = app.extensions["idempotency"].store
+    only = store.hold()  # the pool's only connection
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError):
+            store.hold(within=0.3)
+        assert time.monotonic() - started < 2.5  # not the pool's 5 s
+    finally:
+        only.roll_back()
+    held = store.hold(within=0.6)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError):
+            store.run(Statement("SELECT pg_sleep(4)"), {}, held)
+        assert time.monotonic() - started < 2.5  # not the statement's 5 s
+    finally:
+        held.roll_back()
+    held = store.hold()  # a first try: the statement's own bound
+    try:
+        assert store.run(Statement("SELECT pg_sleep(0.8)"), {}, held)[0] == 1
+    finally:
+        held.roll_back()
