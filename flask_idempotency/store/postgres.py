@@ -134,8 +134,8 @@ class PostgresStore(Execution):
         }
         self._key_status = self.statement(KEY_STATUS)
         self._finished = self.statement(FINISHED)
-        # On Citus (SPEC §22, statements_citus): the claim in two statements (the second for
-        # a new key only), the finish without a NOTIFY or an asynchronous commit.
+        # On Citus (SPEC §22, statements_citus): the claim's first look, the claim, the new
+        # key's insert; the finish without a NOTIFY or an asynchronous commit.
         self._citus_claim_pinned = self.statement(CLAIM_CITUS, commit_mode=sql.SQL(""))
         self._citus_claim = (
             self._citus_claim_pinned
@@ -149,12 +149,14 @@ class PostgresStore(Execution):
             if settings.synchronous_claim
             else self.statement(CLAIM_FIRST_CITUS, commit_mode=sql.SQL(ASYNC_CLAIM))
         )
+        #: by (completed?, insert staged jobs?): COMPLETE as Citus takes it (no CASE to plan)
         self._citus_finishes = {
-            staging: self.statement(
-                _staging(FINISH_CITUS) if staging else FINISH_CITUS,
+            (completed, staging): self.statement(
+                _staging(finish) if staging else finish,
                 notify=sql.SQL("1"),
                 commit_mode=sql.SQL(""),
             )
+            for completed, finish in ((False, FINISH_CITUS), (True, COMPLETE))
             for staging in (False, True)
         }
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
@@ -457,7 +459,7 @@ class PostgresStore(Execution):
         if jobs:
             params.update(job_params(jobs))
         if self.citus:
-            statement = self._citus_finishes[bool(jobs)]
+            statement = self._citus_finishes[status is KeyStatus.COMPLETED, bool(jobs)]
         else:
             statement = self._finishes[status is KeyStatus.COMPLETED, notify, bool(jobs)]
         with self._kept_on_failure(statement, params, pinned):
