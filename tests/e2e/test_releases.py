@@ -237,7 +237,9 @@ def new_layout(database_url: str) -> Layout:
     with scratch_database(database_url, "releases_") as (url, _):
         new_code().flask(new_code().env(url), "idempotency-init")
         with psycopg.connect(url, autocommit=True) as conn:
-            return layout(conn)
+            made = layout(conn)
+    assert made.tables == frozenset(COMPANIONS), made.tables  # the upgrade must reach them
+    return made
 
 
 @pytest.fixture(scope="session")
@@ -279,10 +281,16 @@ def store(
 
 @dataclass(frozen=True)
 class Layout:
-    """The keys table's valid indexes and its columns."""
+    """The keys table's valid indexes and its columns, and which of its companion tables
+    (:data:`COMPANIONS`) exist."""
 
     indexes: frozenset[str]
     columns: frozenset[str]
+    tables: frozenset[str] = frozenset()
+
+
+#: the tables beside the keys table that a release may add (SPEC §24: the tombstones)
+COMPANIONS = (f"{TABLE}_tombstones",)
 
 
 def layout(db: DB) -> Layout:
@@ -296,7 +304,15 @@ def layout(db: DB) -> Layout:
         " WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
         (TABLE,),
     ).fetchall()
-    return Layout(frozenset(r[0] for r in indexes), frozenset(r[0] for r in columns))
+    tables = db.execute(
+        "SELECT name FROM unnest(%s::text[]) AS name WHERE to_regclass(name) IS NOT NULL",
+        (list(COMPANIONS),),
+    ).fetchall()
+    return Layout(
+        frozenset(r[0] for r in indexes),
+        frozenset(r[0] for r in columns),
+        frozenset(r[0] for r in tables),
+    )
 
 
 def prepare_old_table(db: DB, store: str, old: Code, release: OldRelease) -> Layout:
@@ -802,11 +818,16 @@ def check_indexes(db: DB, kept: frozenset[str], whose: str, when: str, findings:
 
 
 def upgraded(db: DB, new_layout: Layout) -> Callable[[], bool]:
-    """Whether the table has every index (valid) and column of the new release's layout."""
+    """Whether the table has every index (valid), column and companion table (the
+    tombstones, SPEC §24) of the new release's layout."""
 
     def check() -> bool:
         now = layout(db)
-        return new_layout.indexes <= now.indexes and new_layout.columns <= now.columns
+        return (
+            new_layout.indexes <= now.indexes
+            and new_layout.columns <= now.columns
+            and new_layout.tables <= now.tables
+        )
 
     return check
 
