@@ -274,7 +274,9 @@ def test_a_first_request_is_served_while_the_indexes_build(
         )
         took = time.monotonic() - started
         assert answer.status_code == 201, answer.get_data(as_text=True)
-        assert took < 2.0, f"the first request waited {took:.2f} s for the upgrade"
+        # the build waits for the held snapshot as long as it is held: a request waiting for
+        # it would not be answered; a loaded 2-core machine's margin below 5 s
+        assert took < 4.0, f"the first request waited {took:.2f} s for the upgrade"
         store = first.extensions["idempotency"].store
         assert not store.wait_for_schema(0.5)  # still building: it waits for the snapshot
         second = make_app(**config)

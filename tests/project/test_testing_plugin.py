@@ -196,7 +196,8 @@ def test_an_outage_answers_503_or_runs_unprotected(idempotency_database, fail_op
     with store_outage(app):
         started = time.monotonic()
         answer = app.test_client().post("/orders", headers=key)
-        assert time.monotonic() - started < 0.5 + 0.5 + 1.0
+        # the pool's and the statement's 0.5 s, and a loaded 2-core machine's margin
+        assert time.monotonic() - started < 0.5 + 0.5 + 3.0
         if fail_open:
             assert answer.status_code == 201
             assert shop.RUNS == [key["Idempotency-Key"]]

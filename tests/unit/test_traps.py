@@ -356,7 +356,8 @@ def test_creating_metrics_opens_no_connection(tmp_path: Any) -> None:
         started = time.monotonic()
         registry = CollectorRegistry(auto_describe=True)
         PrometheusMetrics(app, registry=registry)
-        assert time.monotonic() - started < 0.5
+        # a loaded 2-core machine's margin: what proves no I/O is that nobody knocked
+        assert time.monotonic() - started < 5
         with pytest.raises(BlockingIOError):
             silent.accept()  # nobody knocked
     finally:
