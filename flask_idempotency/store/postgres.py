@@ -170,8 +170,9 @@ class PostgresStore(Execution):
     @property
     def citus(self) -> bool:
         """The database has the citus extension: the request path sends the statements of
-        :mod:`.statements_citus`, and claims are judged by their lease alone. Known from the
-        schema check of the process's first statement (else looked at once)."""
+        :mod:`.statements_citus`, and a claim's owner is looked for on every node
+        (:meth:`owner_free_on_citus`). Known from the schema check of the process's first
+        statement (else looked at once)."""
         if self.schema.citus is None:
             with self._pooled() as conn, bounded(conn, self.settings.statement_timeout):
                 if self.schema.citus is None:  # the schema check did not look
