@@ -40,7 +40,14 @@ from .sealing import refused, unreadable
 from .statement import Statement, execute
 from .statements_citus import CLAIM as CLAIM_CITUS
 from .statements_citus import CLAIM_FIRST as CLAIM_FIRST_CITUS
-from .statements_citus import CLAIM_NEW, FINISH_CITUS, LOCK_IS_MINE_CITUS, OWNER_FREE, RENEW_CITUS
+from .statements_citus import (
+    CLAIM_NEW,
+    FINISH_CITUS,
+    LOCK_IS_MINE_CITUS,
+    OWNER_FREE,
+    RENEW_CITUS,
+    owners_since,
+)
 from .statements_request import (
     ADVANCE,
     ASYNC_CLAIM,
@@ -161,6 +168,8 @@ class PostgresStore(Execution):
         }
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
         self._citus_owner_free = self.statement(OWNER_FREE)
+        #: the background's owners statements on Citus, by their plain text (dead_owners)
+        self._citus_owners: dict[str, Statement] = {}
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
         self.tombstone_seconds = settings.tombstone_ttl.total_seconds()
         self._said_citus = False
@@ -211,10 +220,20 @@ class PostgresStore(Execution):
         return bool(row and row[0])
 
     def dead_owners(self, owners: Statement) -> list[int]:
-        """As :meth:`.Execution.dead_owners`; none on Citus, where the background commands
-        judge claims by their lease alone (the request path asks every node:
-        :meth:`owner_free_on_citus`)."""
-        return [] if self.citus else super().dead_owners(owners)
+        """As :meth:`.Execution.dead_owners`; on Citus every node is asked of each owner
+        (:meth:`owner_free_on_citus`, since its earliest claim's last write), twice,
+        GRACE_SECONDS apart."""
+        if not self.citus:
+            return super().dead_owners(owners)
+        statement = self._citus_owners.get(owners.named)
+        if statement is None:
+            statement = self._citus_owners[owners.named] = Statement(owners_since(owners.named))
+        found = self.fetch(statement, {}).rows
+        free = [(owner, since) for owner, since in found if self.owner_free_on_citus(owner, since)]
+        if not free:
+            return []
+        time.sleep(GRACE_SECONDS)
+        return [owner for owner, since in free if self.owner_free_on_citus(owner, since)]
 
     # -- the request path ----------------------------------------------------------
 

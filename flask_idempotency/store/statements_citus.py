@@ -104,6 +104,7 @@ __all__ = [
     "CLAIM_NEW",
     "LOCK_IS_MINE_CITUS",
     "OWNER_FREE",
+    "owners_since",
     "RENEW_CITUS",
     "DELETE_JOBS_CITUS",
     "DUE_JOBS_CITUS",
@@ -257,6 +258,17 @@ OWNER_FREE = (
     + " AND pg_postmaster_start_time() <= %2$L::timestamptz',"
     " %(owner)s::bigint, %(since)s::timestamptz))"
 )
+
+
+def owners_since(owners: str) -> str:
+    """*owners* (statements_background.OWNERS_OF_*: the distinct owners of what a
+    background pass looks at) with, for each owner, its earliest claim's last write: what
+    OWNER_FREE compares the nodes' starts with."""
+    distinct = "SELECT DISTINCT owner_id FROM"
+    if not owners.startswith(distinct):  # pragma: no cover - carry a change over
+        raise RuntimeError("statements_citus: an owners statement changed; carry it over")
+    return "SELECT owner_id, min(updated_at) FROM" + owners[len(distinct) :] + " GROUP BY owner_id"
+
 
 # The owner's lock counts only where the other nodes see it: held by this session, on a node
 # that is an active primary of the cluster's metadata (a coordinator never added to it,

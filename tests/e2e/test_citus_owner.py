@@ -36,7 +36,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency.store.owner import APPLICATION_NAME as OWNER_APPLICATION
 from flask_idempotency.testing.citus import CitusCluster
 from tests.apps.e2e_app import create_tables, environment
-from tests.e2e.test_citus import table_names
+from tests.e2e.test_citus import owner_lock_nodes, table_names
 from tests.e2e.test_owner_lock import (
     APP,
     DEATH_TO_ANSWER,
@@ -112,21 +112,6 @@ def claim_of(citus: CitusCluster, table: str, key: str) -> tuple[str, int, int |
         ).fetchone()
     assert row is not None, f"no row for {key!r}"
     return str(row[0]), int(row[1]), row[2]
-
-
-def owner_lock_nodes(citus: CitusCluster, owner_id: int) -> list[str]:
-    """The nodes (URLs) on which a session holds the owner lock *owner_id*."""
-    held = []
-    for url in (citus.url, *citus.worker_urls):
-        with psycopg.connect(url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %s",
-                (owner_id,),
-            ).fetchone()
-        if row and row[0]:
-            held.append(url)
-    return held
 
 
 @pytest.mark.parametrize("path", ["/retry", "/unknown"])
