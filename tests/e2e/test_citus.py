@@ -47,6 +47,7 @@ from flask import Flask, request
 from flask_idempotency import Idempotency, current_idempotency
 from flask_idempotency.store.statement import Statement
 from flask_idempotency.testing.citus import CitusCluster
+from flask_idempotency.testing.proxy import TcpProxy
 from tests.apps.e2e_app import create_tables, environment
 from tests.support.gunicorn_server import GunicornServer, Response, post, wait_until
 
@@ -828,3 +829,43 @@ def test_colocation_with_no_distributed_table_is_refused_in_one_line(
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "no such distributed table" in lines[0], result.output
+
+
+def test_a_new_key_takes_three_round_trips_and_a_replay_one(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    """Counted on the wire (a proxy in front of the coordinator), what cannot vary: a new
+    key is the first look, the new key's INSERT and the finish; a replay is the first look
+    alone (the claim with its data-modifying CTEs is sent for neither)."""
+    with TcpProxy.to_database(citus.url) as proxy:
+        # the owner lock's own connection (its checks every 5 s) not through the proxy
+        app = node_app(
+            proxy.url(citus.url),
+            IDEMPOTENCY_POOL_MAX_SIZE=1,
+            IDEMPOTENCY_OWNER_DATABASE_URL=citus.url,
+            **names,
+        )
+        idempotency = app.extensions["idempotency"].extension
+        idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+
+        @app.post("/pay")
+        @idempotency.idempotent
+        def pay() -> tuple[dict[str, bool], int]:
+            return {"paid": True}, 201
+
+        assert init(app).exit_code == 0
+        client = app.test_client()
+
+        def trips(keys: list[str]) -> float:
+            before = proxy.round_trips
+            for n, key in enumerate(keys):
+                answer = client.post(
+                    "/pay", headers={"Idempotency-Key": key, "X-Tenant": f"t{n % 7}"}
+                )
+                assert answer.status_code == 201, answer.get_data(as_text=True)
+            return (proxy.round_trips - before) / len(keys)
+
+        run = uuid.uuid4().hex
+        trips([f"{run}-warm-{n}" for n in range(14)])  # connections made, statements prepared
+        assert trips([f"{run}-{n}" for n in range(14)]) == 3
+        assert trips([f"{run}-{n}" for n in range(14)]) == 1  # the same keys: replays
