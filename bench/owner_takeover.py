@@ -9,7 +9,10 @@ the view's (a 409, a connection error), as a client with no back-off would. Repo
 time from the kill to the fresh run's 201 (min, median, p90, max), how many retries it
 took, and that the view ran twice for every key and never more (its first run killed).
 With the owner lock off (``--no-owner-lock``) the same waits for the lease instead (use a
-short ``--lease``).
+short ``--lease``). With ``--citus`` (SPEC §22) the store is a Citus coordinator and two
+workers (Citus built from its source tarball, as the tests do): the first request enters
+at the coordinator (one gunicorn), the retries at a worker (another), so the retry's claim
+asks every node for the dead owner's lock.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import psycopg
 from flask import Flask, request
 
 from flask_idempotency import Idempotency, current_idempotency
+from flask_idempotency.testing.citus import CitusCluster
 from flask_idempotency.testing.postgres import PostgresServer, free_port
 
 RUNS = "CREATE TABLE IF NOT EXISTS takeover_runs (key text, attempt int, pid int)"
@@ -47,7 +51,7 @@ def create_app() -> Flask:
         IDEMPOTENCY_OWNER_LOCK=os.environ.get("BENCH_OWNER_LOCK", "1") == "1",
     )
     idempotency = Idempotency(app)
-    url = os.environ["BENCH_DATABASE_URL"]
+    url = os.environ.get("BENCH_RUNS_URL") or os.environ["BENCH_DATABASE_URL"]
 
     @app.post("/work")
     @idempotency.idempotent
@@ -94,9 +98,9 @@ def wait_for(condition: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(what)
 
 
-def one_kill(port: int, url: str) -> tuple[float, int]:
-    """Kill the worker running a fresh key's view; the seconds from the kill to the
-    retry's 201, and the retries sent."""
+def one_kill(port: int, url: str, retry_port: int) -> tuple[float, int]:
+    """Kill the worker running a fresh key's view (sent to *port*); the seconds from the
+    kill to the retry's 201 (sent to *retry_port*), and the retries sent."""
     key = f"k-{uuid.uuid4()}"
     first = threading.Thread(target=post, args=(port, key, 30.0, 40.0), daemon=True)
     first.start()
@@ -114,10 +118,41 @@ def one_kill(port: int, url: str) -> tuple[float, int]:
     retries = 0
     while time.monotonic() - killed < 120:
         retries += 1
-        if post(port, key, 0.0, 70.0) == 201:
+        if post(retry_port, key, 0.0, 70.0) == 201:
             return time.monotonic() - killed, retries
         time.sleep(0.05)
     raise TimeoutError(f"key {key}: no 201 within 120 s of the kill")
+
+
+def serve(url: str, runs_url: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], int]:
+    """gunicorn serving :func:`create_app` on the store *url*: the process and its port."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "BENCH_DATABASE_URL": url,
+        "BENCH_RUNS_URL": runs_url,
+        "BENCH_LEASE": str(args.lease),
+        "BENCH_OWNER_LOCK": "0" if args.no_owner_lock else "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(args.workers),
+        "--worker-class",
+        args.worker_class,
+        "--threads",
+        "4" if args.worker_class == "gthread" else "1",
+        "--timeout",
+        "120",
+        "bench.owner_takeover:create_app()",
+    ]
+    gunicorn = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    wait_for(lambda: post(port, f"warm-{uuid.uuid4()}", 0.0, 5.0), 30, "gunicorn")
+    return gunicorn, port
 
 
 def main() -> None:
@@ -127,53 +162,43 @@ def main() -> None:
     parser.add_argument("--worker-class", default="sync", choices=("sync", "gthread"))
     parser.add_argument("--lease", type=float, default=60.0)
     parser.add_argument("--no-owner-lock", action="store_true")
+    parser.add_argument("--citus", action="store_true", help="a Citus cluster as the store")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="owner-takeover-") as tmp:
-        server = PostgresServer(Path(tmp) / "data")
+        cluster = CitusCluster(Path(tmp) / "citus") if args.citus else None
+        server = cluster if cluster is not None else PostgresServer(Path(tmp) / "data")
         server.start()
-        port = free_port()
-        env = {
-            **os.environ,
-            "BENCH_DATABASE_URL": server.url,
-            "BENCH_LEASE": str(args.lease),
-            "BENCH_OWNER_LOCK": "0" if args.no_owner_lock else "1",
-        }
-        with psycopg.connect(server.url, autocommit=True) as conn:
+        runs_url = server.url
+        with psycopg.connect(runs_url, autocommit=True) as conn:
             conn.execute(RUNS)
-        command = [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            str(args.workers),
-            "--worker-class",
-            args.worker_class,
-            "--threads",
-            "4" if args.worker_class == "gthread" else "1",
-            "--timeout",
-            "120",
-            "bench.owner_takeover:create_app()",
-        ]
-        gunicorn = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+        if cluster is not None:  # the tables, made on the coordinator
+            app = Flask("owner_takeover_init")
+            app.config.update(IDEMPOTENCY_DATABASE_URL=runs_url)
+            Idempotency(app)
+            result = app.test_cli_runner().invoke(args=["idempotency-init"])
+            app.extensions["idempotency"].store.close()
+            assert result.exit_code == 0, result.output
+        servers = [serve(runs_url, runs_url, args)]
+        if cluster is not None:
+            servers.append(serve(cluster.worker_urls[0], runs_url, args))
+        port, retry_port = servers[0][1], servers[-1][1]
         try:
-            wait_for(lambda: post(port, f"warm-{uuid.uuid4()}", 0.0, 5.0), 30, "gunicorn")
             times: list[float] = []
             retries: list[int] = []
             for _ in range(args.kills):
-                took, tries = one_kill(port, server.url)
+                took, tries = one_kill(port, runs_url, retry_port)
                 times.append(took)
                 retries.append(tries)
-            with psycopg.connect(server.url, autocommit=True) as conn:
+            with psycopg.connect(runs_url, autocommit=True) as conn:
                 runs = conn.execute(
                     "SELECT count(*) FROM takeover_runs GROUP BY key HAVING key LIKE 'k-%%'"
                 ).fetchall()
             ordered = sorted(times)
             p90 = ordered[max(0, int(len(ordered) * 0.9) - 1)]
             mode = "leases alone" if args.no_owner_lock else "owner lock"
+            store = "Citus, retries through a worker" if cluster is not None else "PostgreSQL"
             print(
-                f"{args.kills} kills, {args.worker_class} x {args.workers}, {mode},"
+                f"{args.kills} kills, {args.worker_class} x {args.workers}, {mode}, {store},"
                 f" lease {args.lease:g} s: kill -> retry's 201 min {ordered[0]:.2f} s,"
                 f" median {statistics.median(times):.2f} s, p90 {p90:.2f} s,"
                 f" max {ordered[-1]:.2f} s; retries sent median {statistics.median(retries):g},"
@@ -181,8 +206,9 @@ def main() -> None:
             )
             print(f"runs per key: {sorted({n for (n,) in runs})} (2: killed once, run once more)")
         finally:
-            gunicorn.send_signal(signal.SIGTERM)
-            gunicorn.wait(30)
+            for gunicorn, _ in servers:
+                gunicorn.send_signal(signal.SIGTERM)
+                gunicorn.wait(30)
             server.stop()
 
 
