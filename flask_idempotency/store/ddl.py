@@ -184,7 +184,29 @@ SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclas
 CITUS_STATE = """
 SELECT citus_is_coordinator(),
        ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name
-             WHERE to_regclass(name) IN (SELECT logicalrelid FROM pg_dist_partition))
+             WHERE to_regclass(name) IN (SELECT logicalrelid FROM pg_dist_partition)),
+       EXISTS (SELECT FROM pg_proc AS p
+               JOIN pg_dist_object AS d
+                 ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid
+                AND d.distribution_argument_index IS NOT NULL
+               WHERE p.proname = %(function)s
+                 AND p.pronamespace = (SELECT relnamespace FROM pg_class
+                                       WHERE oid = to_regclass(%(table)s)))
+"""
+
+# On Citus: the new-key claim as a function delegated to the shard's node (SPEC §22,
+# statements_citus.CLAIM_FUNCTION), once the keys table is distributed; its distribution
+# argument, the tenant, of the keys' tenant column's type (Citus co-locates only one type).
+TENANT_TYPE = """
+SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+WHERE attrelid = to_regclass(%(table)s) AND attname = 'tenant'
+"""
+DISTRIBUTE_FUNCTION = """
+SELECT create_distributed_function(p.oid::regprocedure, 'p_tenant'::text,
+                                   colocate_with => %(table)s::text)
+FROM pg_proc AS p
+WHERE p.proname = %(function)s
+  AND p.pronamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass(%(table)s))
 """
 
 # The keys, jobs and audit tables are distributed by tenant: every statement of a request

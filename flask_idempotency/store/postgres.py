@@ -39,8 +39,8 @@ from .rows import claim_outcome
 from .sealing import refused, unreadable
 from .statement import Statement, execute
 from .statements_citus import CLAIM as CLAIM_CITUS
-from .statements_citus import CLAIM_FIRST as CLAIM_FIRST_CITUS
 from .statements_citus import (
+    CLAIM_CALL,
     CLAIM_NEW,
     FINISH_CITUS,
     LOCK_IS_MINE_CITUS,
@@ -48,6 +48,7 @@ from .statements_citus import (
     RENEW_CITUS,
     owners_since,
 )
+from .statements_citus import CLAIM_FIRST as CLAIM_FIRST_CITUS
 from .statements_request import (
     ADVANCE,
     ASYNC_CLAIM,
@@ -168,6 +169,13 @@ class PostgresStore(Execution):
         }
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
         self._citus_owner_free = self.statement(OWNER_FREE)
+        function = self.schema.claim_function_name
+        #: the first look and a new key's claim in one delegated call (None: no function)
+        self._citus_call = (
+            self.statement(CLAIM_CALL, claim_function=function)
+            if function is not None and settings.synchronous_claim
+            else None
+        )
         #: the background's owners statements on Citus, by their plain text (dead_owners)
         self._citus_owners: dict[str, Statement] = {}
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
@@ -345,7 +353,11 @@ class PostgresStore(Execution):
         gone = params["gone_owner"]
         claim = self._citus_claim if pinned is None else self._citus_claim_pinned
         row = None
-        if gone is None:  # the first look: a settled key answered, a new key's lock taken
+        if gone is None and pinned is None and self._citus_call and self.schema.citus_claim:
+            # the first look and a new key's row in one call, on the shard's node
+            _, called = self.run(self._citus_call, params)
+            row = None if called is None else (*called, False)
+        elif gone is None:  # the first look: a settled key answered, a new key's lock taken
             first = self._citus_first if pinned is None else self._citus_first_pinned
             _, row = self.run(first, params, pinned)
         if row is None or row[0] is None:

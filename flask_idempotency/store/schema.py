@@ -46,6 +46,7 @@ from .ddl import (
     CREATE_INDEX,
     CREATE_INDEX_CONCURRENTLY,
     DISTRIBUTE,
+    DISTRIBUTE_FUNCTION,
     DROP_INDEX_CONCURRENTLY,
     INDEXES,
     JOBS_KEY,
@@ -61,10 +62,12 @@ from .ddl import (
     SET_STORAGE,
     STORAGE,
     TABLE,
+    TENANT_TYPE,
     TOMBSTONES,
     UPGRADE_COLUMNS,
     UPGRADE_JOB_COLUMNS,
 )
+from .statements_citus import CLAIM_FUNCTION
 from .statements_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
 logger = logging.getLogger("flask_idempotency")
@@ -122,6 +125,8 @@ class SchemaState:
     coordinator: bool = True
     #: the to_regclass names of the tables that are distributed (or reference) tables
     distributed: frozenset[str] = frozenset()
+    #: on Citus: the claim function exists, delegated to the shard's node
+    claim_function: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +201,15 @@ class Schema:
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
+        #: on Citus, the new-key claim delegated to the shard's node (its name, quoted
+        #: as needed; None: a table name too long to add a suffix to)
+        function_name = f"{name}_claim_v1"
+        self._function_name = function_name if len(function_name) <= 63 else None
+        self.claim_function_name = (
+            sql.Identifier(*parts[:-1], function_name) if self._function_name else None
+        )
+        #: on Citus: whether the claim function exists, as the last look said
+        self.citus_claim = False
         #: the steps the last :meth:`create` ran on an existing table
         self.upgraded: list[str] = []
         #: the tables the last :meth:`create` made (the others existed already)
@@ -220,6 +234,12 @@ class Schema:
             Step("ordered jobs", self._lacks_job_seq, self._add_job_seq),
             Step("audit and heartbeats tables", self._lacks_console, self._create_console),
             Step("tombstones table", self._lacks_tombstones, self._create_tombstones),
+            Step(
+                "claim function on Citus",
+                self._lacks_claim_function,
+                self._add_claim_function,
+                BUILD,
+            ),
             Step("ordered jobs index", self._lacks_job_order, self._add_job_order, BUILD),
             Step("autovacuum settings", self._lacks_storage, self._set_storage, BUILD),
             *(
@@ -251,7 +271,7 @@ class Schema:
 
     def state(self, conn: psycopg.Connection[Any]) -> SchemaState:
         """What exists now (one query)."""
-        params = {
+        params: dict[str, Any] = {
             "names": list(self._regclass.values()),
             "table": self._regclass["table"],
             "jobs": self._regclass["jobs"],
@@ -260,12 +280,18 @@ class Schema:
         assert row is not None
         missing, columns, job_columns, invalid, options, owned, citus = row
         self.citus = citus
-        coordinator, distributed = True, []
+        coordinator, distributed, claim_function = True, [], False
         if citus:
             names = [self._regclass[part] for part in self._table_regclass.values()]
-            found = conn.execute(CITUS_STATE, {"names": names}, prepare=False).fetchone()
+            params = {
+                "names": names,
+                "function": self._function_name,
+                "table": self._regclass["table"],
+            }
+            found = conn.execute(CITUS_STATE, params, prepare=False).fetchone()
             assert found is not None
-            coordinator, distributed = found
+            coordinator, distributed, claim_function = found
+        self.citus_claim = bool(claim_function)
         return SchemaState(
             frozenset(missing),
             frozenset(columns),
@@ -276,6 +302,7 @@ class Schema:
             citus,
             coordinator,
             frozenset(distributed),
+            bool(claim_function),
         )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
@@ -553,6 +580,33 @@ class Schema:
                 outage=False,
             )
         return None if type_name == "text" else str(type_name)
+
+    def _lacks_claim_function(self, state: SchemaState) -> bool:
+        # the tables exist (distributed by the step before it, if they are not yet)
+        return (
+            state.citus
+            and self._function_name is not None
+            and not state.claim_function
+            and not {self._regclass["table"], self._regclass["tombstones"]} & state.missing
+        )
+
+    def _add_claim_function(self, conn: psycopg.Connection[Any]) -> None:
+        """On Citus, the new-key claim as a function delegated to the shard's node
+        (statements_citus.CLAIM_FUNCTION), its tenant argument of the tenant column's
+        type, co-located with the keys."""
+        table = self._regclass["table"]
+        row = conn.execute(TENANT_TYPE, {"table": table}, prepare=False).fetchone()
+        assert row is not None and self.claim_function_name is not None
+        create = sql.SQL(CLAIM_FUNCTION).format(
+            function=self.claim_function_name,
+            table=self.table,
+            tombstones=self.tombstones,
+            tenant_type=sql.SQL(row[0]),
+        )
+        conn.execute(create, prepare=False)
+        params = {"function": self._function_name, "table": table}
+        conn.execute(DISTRIBUTE_FUNCTION, params, prepare=False)
+        logger.info("created the claim function of table %s on Citus", self.name)
 
     def _lacks_jobs(self, state: SchemaState) -> bool:
         return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)

@@ -100,7 +100,9 @@ FROM decided LEFT JOIN seen ON true LEFT JOIN buried ON true{commit_mode}
 
 __all__ = [
     "CLAIM",
+    "CLAIM_CALL",
     "CLAIM_FIRST",
+    "CLAIM_FUNCTION",
     "CLAIM_NEW",
     "LOCK_IS_MINE_CITUS",
     "OWNER_FREE",
@@ -221,6 +223,112 @@ LEFT JOIN seen ON true
 LEFT JOIN buried ON true
 """
 )
+
+# The first look and a new key's claim in one call, delegated by Citus to the shard's node
+# (create_distributed_function, by the tenant, co-located with the keys: schema's "claim
+# function on Citus" step): its statements run there, planned once per session and cached,
+# each a fast-path query on the local shard. CLAIM_FIRST's decisions, in order: a key with a
+# row is answered as CLAIM_FIRST answers it (no decision: the caller sends CLAIM); a
+# tombstone is a mismatch or expired; a stale request expired; else the key's advisory lock
+# (not granted: no decision) and the new row (a twin's row there: 'claimed' without an
+# attempt, in progress). Used outside a transaction only (a claim in autocommit): inside
+# one, Citus would run the function on the node the request entered at. Measured on the test
+# cluster, one client: 1.03 ms of cluster CPU where the first look and the INSERT take 1.95.
+CLAIM_FUNCTION = (
+    """
+CREATE OR REPLACE FUNCTION {function}(
+    p_tenant {tenant_type}, p_key text, p_fingerprint bytea, p_lock_id bigint,
+    p_stale boolean, p_tombstone_ttl float8, p_lease float8, p_ttl float8, p_request text,
+    p_request_body bytea, p_on_abandoned text, p_owner bigint, p_owner_host text,
+    p_owner_pid integer)
+RETURNS TABLE (decision text, attempt integer, generation bigint, recovery_point text,
+               marked bigint, status text, seen_attempt integer, response_status smallint,
+               response_headers jsonb, response_body bytea, expires_in numeric,
+               expires_at timestamptz, idle_for numeric, lease_left numeric,
+               free_owner bigint, updated_at timestamptz)
+LANGUAGE plpgsql AS $claim$
+DECLARE
+    seen record;
+    buried record;
+BEGIN
+    marked := 0;
+    SELECT k.status, k.fingerprint, k.attempt, k.response_status, k.response_headers,
+           k.response_body, extract(epoch FROM k.expires_at - now()) AS expires_in,
+           k.expires_at, k.updated_at,
+           k.status = 'retryable' AND k.expires_at <= now()
+               OR k.status = 'completed'
+                  AND k.expires_at <= now() - make_interval(secs => p_tombstone_ttl)
+               AS expired,
+           k.status = 'completed' AND k.expires_at <= now() AS gone
+    INTO seen FROM {table} AS k WHERE k.tenant = p_tenant AND k.key = p_key;
+    IF FOUND THEN
+        decision := CASE WHEN seen.expired THEN NULL
+                         WHEN seen.fingerprint <> p_fingerprint THEN 'mismatch'
+                         WHEN seen.gone THEN 'expired'
+                         WHEN seen.status = 'completed' THEN 'replay' END;
+        status := seen.status;
+        seen_attempt := seen.attempt;
+        response_status := seen.response_status;
+        response_headers := seen.response_headers;
+        response_body := seen.response_body;
+        expires_in := seen.expires_in;
+        expires_at := seen.expires_at;
+        updated_at := seen.updated_at;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    SELECT b.fingerprint, b.first_status, b.completed_at, b.expired_at
+    INTO buried FROM {tombstones} AS b
+    WHERE b.tenant = p_tenant AND b.key = p_key
+      AND b.expired_at > now() - make_interval(secs => p_tombstone_ttl);
+    IF FOUND THEN
+        decision := CASE WHEN buried.fingerprint <> p_fingerprint THEN 'mismatch'
+                         ELSE 'expired' END;
+        response_status := buried.first_status;
+        expires_at := buried.expired_at;
+        updated_at := buried.completed_at;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF p_stale THEN
+        decision := 'expired';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(p_lock_id) THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    INSERT INTO {table} AS k
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+         request, request_body, on_abandoned, ttl_seconds, owner_id, owner_claim,
+         owner_host, owner_pid)
+    VALUES (p_tenant, p_key, p_fingerprint, 'processing', 1,
+            (extract(epoch FROM now()) * 1000000)::bigint,
+            now() + make_interval(secs => p_lease),
+            now() + make_interval(secs => p_ttl + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
+            p_request, p_request_body, p_on_abandoned, p_ttl, p_owner,
+            (extract(epoch FROM now()) * 1000000)::bigint + 1, p_owner_host, p_owner_pid)
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING k.attempt, k.generation, k.recovery_point
+    INTO attempt, generation, recovery_point;
+    decision := 'claimed';
+    RETURN NEXT;
+END
+$claim$
+"""
+)
+
+# The call: one round trip, one task on the shard's node.
+CLAIM_CALL = """
+SELECT * FROM {claim_function}(
+    %(tenant)s, %(key)s, %(fingerprint)s, %(lock_id)s::bigint, %(stale)s::boolean,
+    %(tombstone_ttl)s::float8, %(lease)s::float8, %(ttl)s::float8, %(request)s::text,
+    %(request_body)s::bytea, %(on_abandoned)s::text, %(owner)s::bigint,
+    %(owner_host)s::text, %(owner_pid)s::integer)
+"""
 
 # A new key: its row, unless a twin's is there already (then no row comes back, and the
 # request is the twin's in-progress duplicate).

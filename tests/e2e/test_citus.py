@@ -634,6 +634,7 @@ def test_the_request_paths_plans_are_one_task(
     finish = {**fence, "status": "completed", "ttl": 3600.0, **response}
     resolve = {**finish, "ttl": timedelta(hours=1), "attempt": None, "generation": None}
     statements = {
+        "the claim function's call": (store._citus_call, claim),
         "first look (replay, a new key's lock)": (store._citus_first, claim),
         "first look, transactional": (store._citus_first_pinned, claim),
         "claim": (store._citus_claim, claim),
@@ -831,12 +832,13 @@ def test_colocation_with_no_distributed_table_is_refused_in_one_line(
     assert len(lines) == 1 and "no such distributed table" in lines[0], result.output
 
 
-def test_a_new_key_takes_three_round_trips_and_a_replay_one(
+def test_a_new_key_takes_two_round_trips_and_a_replay_one(
     citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
 ) -> None:
     """Counted on the wire (a proxy in front of the coordinator), what cannot vary: a new
-    key is the first look, the new key's INSERT and the finish; a replay is the first look
-    alone (the claim with its data-modifying CTEs is sent for neither)."""
+    key is the claim function's call (the first look and the new row, on the shard's node)
+    and the finish; a replay is the call alone (the claim with its data-modifying CTEs is
+    sent for neither)."""
     with TcpProxy.to_database(citus.url) as proxy:
         # the owner lock's own connection (its checks every 5 s) not through the proxy
         app = node_app(
@@ -867,5 +869,54 @@ def test_a_new_key_takes_three_round_trips_and_a_replay_one(
 
         run = uuid.uuid4().hex
         trips([f"{run}-warm-{n}" for n in range(14)])  # connections made, statements prepared
-        assert trips([f"{run}-{n}" for n in range(14)]) == 3
+        assert app.extensions["idempotency"].store.schema.citus_claim  # made by init
+        assert trips([f"{run}-{n}" for n in range(14)]) == 2
         assert trips([f"{run}-{n}" for n in range(14)]) == 1  # the same keys: replays
+
+
+def test_the_claim_function_comes_with_the_upgrade(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    """A populated table of a release before the claim function (made now, the function
+    dropped): a process serves it with the plain statements; ``flask idempotency-init``
+    adds the function (delegated: one task), and a process started after it claims through
+    it, the earlier keys replayed (SPEC §16)."""
+
+    def app_on(url: str) -> Flask:
+        app = node_app(url, **names)
+        idempotency = app.extensions["idempotency"].extension
+        idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+
+        @app.post("/pay")
+        @idempotency.idempotent
+        def pay() -> tuple[dict[str, str], int]:
+            return {"paid": current_idempotency.key}, 201
+
+        return app
+
+    first = app_on(citus.url)
+    assert init(first).exit_code == 0
+    function = names["IDEMPOTENCY_TABLE"] + "_claim_v1"
+    query(citus.url, f"DROP FUNCTION {function}")  # as a release before it left the table
+    old = app_on(citus.worker_urls[0])
+    client = old.test_client()
+    for n in range(200):
+        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": f"t{n % 9}"})
+        assert sent.status_code == 201, sent.get_data(as_text=True)
+    assert not old.extensions["idempotency"].store.schema.citus_claim  # the statements
+
+    result = init(first)
+    assert result.exit_code == 0, result.output
+    assert "claim function on Citus" in result.output, result.output
+    new = app_on(citus.worker_urls[1])
+    client = new.test_client()
+    fresh = client.post("/pay", headers={"Idempotency-Key": "fresh", "X-Tenant": "t1"})
+    assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
+    assert new.extensions["idempotency"].store.schema.citus_claim  # the function
+    for n in range(0, 200, 37):
+        replay = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": f"t{n % 9}"})
+        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+        assert replay.get_json() == {"paid": f"k{n}"}
+    # and the process that served before it goes on with its statements, beside it
+    again = old.test_client().post("/pay", headers={"Idempotency-Key": "k3", "X-Tenant": "t3"})
+    assert again.headers["Idempotent-Replayed"] == "true"
