@@ -180,7 +180,6 @@ class PostgresStore(Execution):
         self._citus_owners: dict[str, Statement] = {}
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
         self.tombstone_seconds = settings.tombstone_ttl.total_seconds()
-        self._said_citus = False
 
     # -- Citus (SPEC §22) ------------------------------------------------------------
 
@@ -340,10 +339,11 @@ class PostgresStore(Execution):
     def _claim_on_citus(
         self, params: dict[str, Any], pinned: HeldTransaction | None
     ) -> tuple[Any, ...] | None:
-        """The claim's row on Citus: the first look (one task, writing nothing: a settled key
-        answered, a new key's lock taken), else the decision (one task); then the insert of a
-        new key whose lock was granted (one task, in *pinned*'s transaction when there is
-        one).
+        """The claim's row on Citus: in autocommit, the claim function's call (delegated to
+        the shard's node: a settled key answered, a new key's row made), else the first look
+        (one task, writing nothing: a settled key answered, a new key's lock taken); when
+        neither decided, the decision (one task); then the insert of a new key whose lock
+        the first look took (one task, in *pinned*'s transaction when there is one).
 
         A claim in flight that an owner speaks for names it (``free_owner``), and every node
         is asked whether its lock is free (:meth:`owner_free_on_citus`); held, the claim is
