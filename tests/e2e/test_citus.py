@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
@@ -920,3 +921,38 @@ def test_the_claim_function_comes_with_the_upgrade(
     # and the process that served before it goes on with its statements, beside it
     again = old.test_client().post("/pay", headers={"Idempotency-Key": "k3", "X-Tenant": "t3"})
     assert again.headers["Idempotent-Replayed"] == "true"
+
+
+def test_a_stale_first_sent_request_is_expired_never_claimed(
+    citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
+) -> None:
+    """``Repeatability-First-Sent`` on Citus (SPEC §24), through the delegated claim and a
+    worker: a key with neither row nor tombstone whose client first sent it longer ago than
+    its TTL is answered 409 key-expired and never inserted; a recent one is claimed."""
+    app = node_app(citus.worker_urls[0], **names)
+    idempotency = app.extensions["idempotency"].extension
+    idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> tuple[dict[str, bool], int]:
+        return {"paid": True}, 201
+
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    client = app.test_client()
+    old = formatdate(time.time() - 3 * 24 * 3600, usegmt=True)  # past the 24 h TTL
+    stale = client.post(
+        "/pay",
+        headers={"Idempotency-Key": "stale", "X-Tenant": "t", "Repeatability-First-Sent": old},
+    )
+    assert stale.status_code == 409 and stale.json["type"].endswith("key-expired"), stale.json
+    assert stale.json["operation_state"] == "unknown"
+    table = names["IDEMPOTENCY_TABLE"]
+    assert query(citus.url, f"SELECT count(*) FROM {table} WHERE key = 'stale'") == [(0,)]
+    recent = formatdate(time.time() - 60, usegmt=True)
+    fresh = client.post(
+        "/pay",
+        headers={"Idempotency-Key": "fresh", "X-Tenant": "t", "Repeatability-First-Sent": recent},
+    )
+    assert fresh.status_code == 201, fresh.json
+    assert app.extensions["idempotency"].store.schema.citus_claim  # through the function
