@@ -793,6 +793,7 @@ def test_colocated_with_a_varchar_tenant_column(
     assert first.status_code == 201 and again.get_data() == first.get_data()
     assert again.headers["Idempotent-Replayed"] == "true" and other.status_code == 422
     store = app.extensions["idempotency"].store
+    assert store.schema.citus_claim  # the delegated claim, its tenant argument varchar(64)
     params = {"tenant": "acme", "key": "v1"}
     explained = Statement("EXPLAIN (COSTS OFF) " + store._key_status.named)
     plan = "\n".join(row[0] for row in store.fetch(explained, params, prepare=False).rows)
