@@ -52,7 +52,14 @@ from .statements_background import (
     UNRESERVE,
 )
 from .statements_console import KEY_DETAIL
+from .statements_request import CLAIM_FIRST as _PLAIN_FIRST
 from .statements_request import EXPIRY, FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
+
+# statements_request.CLAIM_FIRST's reads (the key's row and its tombstone) are the first
+# look's here; what follows them there writes (the new key's INSERT), which Citus plans apart
+_PLAIN_FIRST_WRITES = "), claimed AS ("
+if _PLAIN_FIRST_WRITES not in _PLAIN_FIRST:  # pragma: no cover - carry a change over
+    raise RuntimeError("statements_citus: CLAIM_FIRST changed; carry the change over")
 
 # A claim's first look (statements_request.CLAIM_FIRST's, as Citus takes it): a SELECT that
 # writes nothing, which Citus plans at a quarter of CLAIM's cost (measured on 14.0.1: a
@@ -64,19 +71,8 @@ from .statements_request import EXPIRY, FINISH, FINISH_GRACE_SECONDS, SETTLED_DE
 # (a claim in flight, a retryable or unknown key, a key to be used afresh, a lock a twin
 # holds) answers no decision, and the caller sends CLAIM.
 CLAIM_FIRST = (
-    """
-WITH seen AS (
-    SELECT status, fingerprint, attempt, response_status, response_headers, response_body,
-           extract(epoch FROM expires_at - now()) AS expires_in, expires_at, updated_at,
-           """
-    + EXPIRY
-    + """
-    FROM {table} WHERE tenant = %(tenant)s AND key = %(key)s
-), buried AS (
-    SELECT fingerprint, first_status, completed_at, expired_at FROM {tombstones}
-    WHERE tenant = %(tenant)s AND key = %(key)s
-      AND expired_at > now() - make_interval(secs => %(tombstone_ttl)s)
-), decided AS (
+    _PLAIN_FIRST[: _PLAIN_FIRST.index(_PLAIN_FIRST_WRITES)]
+    + """), decided AS (
     SELECT CASE WHEN seen.expired THEN NULL
                 WHEN coalesce(seen.fingerprint, buried.fingerprint) <> %(fingerprint)s
                     THEN 'mismatch'

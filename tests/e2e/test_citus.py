@@ -96,6 +96,21 @@ def owner_lock_nodes(citus: CitusCluster, owner_id: int) -> list[str]:
     return held
 
 
+def pay_app(node_app: Callable[..., Flask], url: str, **config: Any) -> Flask:
+    """An app on the node at *url* with ``POST /pay`` (answers its key), the tenant from
+    ``X-Tenant``."""
+    app = node_app(url, **config)
+    idempotency = app.extensions["idempotency"].extension
+    idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> tuple[dict[str, str], int]:
+        return {"paid": current_idempotency.key}, 201
+
+    return app
+
+
 def partitions(url: str, names: dict[str, str]) -> dict[str, tuple[str, int]]:
     """Each table's Citus partition method ('h': hash, 'n': reference) and co-location id."""
     rows = query(
@@ -843,20 +858,13 @@ def test_a_new_key_takes_two_round_trips_and_a_replay_one(
     sent for neither)."""
     with TcpProxy.to_database(citus.url) as proxy:
         # the owner lock's own connection (its checks every 5 s) not through the proxy
-        app = node_app(
+        app = pay_app(
+            node_app,
             proxy.url(citus.url),
             IDEMPOTENCY_POOL_MAX_SIZE=1,
             IDEMPOTENCY_OWNER_DATABASE_URL=citus.url,
             **names,
         )
-        idempotency = app.extensions["idempotency"].extension
-        idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
-
-        @app.post("/pay")
-        @idempotency.idempotent
-        def pay() -> tuple[dict[str, bool], int]:
-            return {"paid": True}, 201
-
         assert init(app).exit_code == 0
         client = app.test_client()
 
@@ -885,16 +893,7 @@ def test_the_claim_function_comes_with_the_upgrade(
     it, the earlier keys replayed (SPEC §16)."""
 
     def app_on(url: str) -> Flask:
-        app = node_app(url, **names)
-        idempotency = app.extensions["idempotency"].extension
-        idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
-
-        @app.post("/pay")
-        @idempotency.idempotent
-        def pay() -> tuple[dict[str, str], int]:
-            return {"paid": current_idempotency.key}, 201
-
-        return app
+        return pay_app(node_app, url, **names)
 
     first = app_on(citus.url)
     assert init(first).exit_code == 0
@@ -930,15 +929,7 @@ def test_a_stale_first_sent_request_is_expired_never_claimed(
     """``Repeatability-First-Sent`` on Citus (SPEC §24), through the delegated claim and a
     worker: a key with neither row nor tombstone whose client first sent it longer ago than
     its TTL is answered 409 key-expired and never inserted; a recent one is claimed."""
-    app = node_app(citus.worker_urls[0], **names)
-    idempotency = app.extensions["idempotency"].extension
-    idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
-
-    @app.post("/pay")
-    @idempotency.idempotent
-    def pay() -> tuple[dict[str, bool], int]:
-        return {"paid": True}, 201
-
+    app = pay_app(node_app, citus.worker_urls[0], **names)
     assert init(node_app(citus.url, **names)).exit_code == 0
     client = app.test_client()
     old = formatdate(time.time() - 3 * 24 * 3600, usegmt=True)  # past the 24 h TTL
