@@ -170,9 +170,11 @@ def test_killed_transactional_refund_commits_nothing_and_reruns_at_once(
     # The transaction died with the worker: no refund row, no key row, no lease to wait for.
     assert one(db, "SELECT count(*) FROM refunds WHERE payment_id = %s", created[1]["id"]) == 0
     assert one(db, "SELECT count(*) FROM idempotency_keys WHERE key = 'refund-1'") == 0
-    started = time.monotonic()
     refund, statuses = retry_until_done(server, path, "refund-1", tenant, {"amount": 300})
-    assert statuses == [201] and time.monotonic() - started < LEASE
+    # at once, what cannot vary: the first retry ran it (a lease to wait for answers 409
+    # first); not a time bound, which a loaded 2-core machine can pass (a fresh-clone CI
+    # run beside another took longer than the 1 s lease)
+    assert statuses == [201]
     assert one(db, "SELECT count(*) FROM refunds WHERE payment_id = %s", created[1]["id"]) == 1
     assert one(db, "SELECT refunded FROM payments WHERE id = %s", created[1]["id"]) == 300
     again = call(server, path, "refund-1", tenant, {"amount": 300})
