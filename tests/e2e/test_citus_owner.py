@@ -238,3 +238,55 @@ def test_the_client_with_its_defaults_gets_through_a_workers_death(
     _, worker = serve_on_both(start_gunicorn, citus, tables)
     _, took = client_through_a_workers_death(executions, worker.port)
     assert took < DEATH_TO_ANSWER  # back-offs and the grace, not the 60 s lease
+
+
+def test_a_node_that_does_not_answer_keeps_a_dead_owners_claim(
+    start_gunicorn: Callable[..., GunicornServer],
+    citus: CitusCluster,
+    tables: dict[str, str],
+    executions: DB,
+) -> None:
+    """A worker killed mid-view while a node that does not hold the key's shard is down:
+    every node is asked of the owner's lock, one cannot answer, so the lock counts as held
+    and every retry gets 409 in progress, never a takeover. Once the node is back it
+    started after the claim, so the claim is left to its lease: taken over only once the
+    lease is over (what cannot vary: no answer but 409 before ``locked_until``)."""
+    lease = 4
+    coordinator, _ = serve_on_both(start_gunicorn, citus, tables, lease=lease)
+    table = tables["IDEMPOTENCY_TABLE"]
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT nodeport FROM citus_shards WHERE table_name = %s::regclass"
+            " AND shardid = get_shard_id_for_distribution_column(%s, '')",
+            (table, table),
+        ).fetchone()
+    assert row is not None
+    down = next(w for w in citus.workers if w.port != row[0])  # not the key's shard's node
+    key = f"down-{uuid.uuid4()}"
+    with sending(executions, coordinator.port, "/retry", key) as (first, _):
+        [(_, victim)] = view_started(executions, key, first)
+        down.stop("immediate")
+        try:
+            os.kill(victim, signal.SIGKILL)
+            assert isinstance(first.result(30), (OSError, http.client.HTTPException))
+            with psycopg.connect(citus.url, autocommit=True) as conn:
+                found = conn.execute(
+                    f"SELECT extract(epoch FROM locked_until - now()) FROM {table}"
+                    " WHERE tenant = '' AND key = %s",
+                    (key,),
+                ).fetchone()
+            assert found is not None
+            lease_over_at = time.monotonic() + float(found[0])
+            held = [post(coordinator.port, "/retry", key) for _ in range(3)]
+            assert all(is_in_progress(answer) for answer in held), [a.body for a in held]
+        finally:
+            down.start()
+        retry = wait_until(
+            lambda: not is_in_progress(answer := post(coordinator.port, "/retry", key)) and answer,
+            lease + 30,
+            "the lease to end",
+            step=RETRY_EVERY,
+        )
+    assert retry.status == 201 and retry.json()["attempt"] == 2, retry.body
+    assert time.monotonic() >= lease_over_at - 0.5  # the lease, not the lock, freed it
+    assert [a for a, _ in runs(executions, key)] == [1, 2]
