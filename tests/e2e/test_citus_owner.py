@@ -34,6 +34,7 @@ from flask import Flask
 
 from flask_idempotency import Idempotency
 from flask_idempotency.store.owner import APPLICATION_NAME as OWNER_APPLICATION
+from flask_idempotency.store.records import KeyDetail
 from flask_idempotency.testing.citus import CitusCluster
 from tests.apps.e2e_app import create_tables, environment
 from tests.e2e.test_citus import owner_lock_nodes, table_names
@@ -77,7 +78,7 @@ def executions(citus: CitusCluster) -> Iterator[DB]:
 
 def owner_state(app: Flask, key: str) -> str | None:
     """What the console's key page tells of *key*'s owner ('alive', 'gone', 'lease')."""
-    detail = app.extensions["idempotency"].operations.key_detail("", key, 5)
+    detail: KeyDetail | None = app.extensions["idempotency"].operations.key_detail("", key, 5)
     assert detail is not None
     return detail.owner_state
 
