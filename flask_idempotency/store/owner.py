@@ -170,7 +170,9 @@ class Owner:
     sent; *timeout* bounds each statement on the lock's connection; *lock_is_mine* says
     whether the lock is this session's and seen by every other (default
     :data:`LOCK_IS_MINE`; on Citus, also on a node of the cluster's metadata). The threads
-    start at the first :meth:`current` of the process.
+    start at the first :meth:`current` of the process. With *renew_each*, *renew* names
+    one claim (``tenant``, ``key``, ``attempt``, ``generation``, ``lease``) and is sent for
+    each (on Citus: one shard each, so a node that is down fails only its own claims').
     """
 
     def __init__(
@@ -182,6 +184,7 @@ class Owner:
         timeout: float,
         hand_back: Statement | None = None,
         lock_is_mine: str | None = None,
+        renew_each: bool = False,
     ) -> None:
         self._connect = connect
         self._run = run
@@ -189,6 +192,7 @@ class Owner:
         self._disown = disown
         self._hand_back = hand_back
         self._lock_is_mine = lock_is_mine
+        self._renew_each = renew_each
         self._timeout = timeout
         self.id = new_owner_id()
         self.host = socket.gethostname()[:255]
@@ -543,11 +547,29 @@ class Owner:
             due = [held for held in self._held.values() if held.renew_at <= now]
         if not due:
             return
+        if self._renew_each:
+            self._renew_one_by_one(due, now)
+            return
         params = _held_params(self.id, [held.params for held in due], [held.lease for held in due])
         self._run(self._renew, params)
         with self._lock:
             for held in due:
                 held.renew_at = now + held.lease / 3
+
+    def _renew_one_by_one(self, due: list[Held], now: float) -> None:
+        """Each claim of *due* renewed on its own; one that fails does not keep the others
+        from theirs (the first failure is raised once every claim was tried)."""
+        failed: StoreError | None = None
+        for held in due:
+            try:
+                self._run(self._renew, {"owner": self.id, "lease": held.lease, **held.params})
+            except StoreError as exc:
+                failed = failed or exc
+                continue
+            with self._lock:
+                held.renew_at = now + held.lease / 3
+        if failed is not None:
+            raise failed
 
 
 def _held_params(owner: int, held: list[dict[str, Any]], leases: list[float]) -> dict[str, Any]:

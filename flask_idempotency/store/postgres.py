@@ -196,9 +196,9 @@ class PostgresStore(Execution):
         return bool(self.schema.citus)
 
     def _new_owner(self) -> Owner:
-        """As :meth:`.Execution._new_owner`; on Citus, its renewals as Citus takes them, its
-        lock counted only on a node of the cluster's metadata (where the other nodes look),
-        and no hand-back (a claim whose answer was lost is left to its lease)."""
+        """As :meth:`.Execution._new_owner`; on Citus, its renewals one claim each (one shard
+        each), its lock counted only on a node of the cluster's metadata (where the other
+        nodes look), and no hand-back (a claim whose answer was lost is left to its lease)."""
         if not self.citus:
             return super()._new_owner()
         return Owner(
@@ -209,6 +209,7 @@ class PostgresStore(Execution):
             self.settings.statement_timeout,
             None,
             LOCK_IS_MINE_CITUS,
+            renew_each=True,
         )
 
     def owner_free_on_citus(self, owner: int, since: datetime) -> bool:

@@ -386,23 +386,14 @@ LOCK_IS_MINE_CITUS = (
 """
 )
 
-# The renewals (statements_request.RENEW): Citus refuses FOR UPDATE over many shards, and
-# now() beside a column in an UPDATE's SET, so each claim's new lease is computed first (a
-# materialized CTE, sent with every shard's task), and a renewal waits for a row lock rather
-# than skipping it (the owner's own finish: a moment). One statement for all the claims in
-# flight, a task per shard.
+# The renewals (statements_request.RENEW), one claim each (owner.Owner's renew_each): Citus
+# refuses FOR UPDATE over many shards, and a statement over every shard would fail every
+# renewal while any node is down; one claim's is a fast-path UPDATE on its own shard.
 RENEW_CITUS = """
-WITH held AS MATERIALIZED (
-    SELECT tenant, key, attempt, generation, now() + make_interval(secs => lease) AS until
-    FROM unnest(%(tenants)s::text[], %(keys)s::text[], %(attempts)s::integer[],
-                %(generations)s::bigint[], %(leases)s::float8[])
-         AS held (tenant, key, attempt, generation, lease)
-)
-UPDATE {table} AS k SET locked_until = held.until
-FROM held
-WHERE (k.tenant, k.key, k.attempt, k.generation)
-    = (held.tenant, held.key, held.attempt, held.generation)
-  AND k.status = 'processing' AND k.locked_until IS NOT NULL AND k.owner_id = %(owner)s
+UPDATE {table} SET locked_until = now() + make_interval(secs => %(lease)s)
+WHERE tenant = %(tenant)s AND key = %(key)s
+  AND attempt = %(attempt)s AND generation = %(generation)s
+  AND status = 'processing' AND locked_until IS NOT NULL AND owner_id = %(owner)s
 """
 
 _DUE = "reconcile_due_at = CASE WHEN %(status)s::text = 'unknown' THEN now() END"

@@ -36,6 +36,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency.store.owner import APPLICATION_NAME as OWNER_APPLICATION
 from flask_idempotency.store.records import KeyDetail
 from flask_idempotency.testing.citus import CitusCluster
+from flask_idempotency.testing.postgres import PostgresServer
 from tests.apps.e2e_app import create_tables, environment
 from tests.e2e.test_citus import owner_lock_nodes, table_names
 from tests.e2e.test_owner_lock import (
@@ -241,6 +242,45 @@ def test_the_client_with_its_defaults_gets_through_a_workers_death(
     assert took < DEATH_TO_ANSWER  # back-offs and the grace, not the 60 s lease
 
 
+def other_node(citus: CitusCluster, table: str) -> PostgresServer:
+    """A worker node that does not hold the shard of tenant ``''`` (the apps' tenant here)."""
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT nodeport FROM citus_shards WHERE table_name = %s::regclass"
+            " AND shardid = get_shard_id_for_distribution_column(%s, '')",
+            (table, table),
+        ).fetchone()
+    assert row is not None
+    return next(w for w in citus.workers if w.port != row[0])
+
+
+def test_a_live_view_is_renewed_while_another_node_is_down(
+    start_gunicorn: Callable[..., GunicornServer],
+    citus: CitusCluster,
+    tables: dict[str, str],
+    executions: DB,
+) -> None:
+    """A 6 s view under a 2 s lease, its shard's node up, another node down for 4 s of it:
+    its owner renews its claim on its own shard (one statement per claim), so every retry
+    gets 409 in progress and the view runs once."""
+    coordinator, _ = serve_on_both(start_gunicorn, citus, tables, lease=2)
+    down = other_node(citus, tables["IDEMPOTENCY_TABLE"])
+    key = f"renewed-{uuid.uuid4()}"
+    with sending(executions, coordinator.port, "/retry", key, delay=6) as (first, _):
+        view_started(executions, key, first)
+        down.stop("immediate")
+        try:
+            retries = retry_while_running(
+                first, coordinator.port, "/retry", key, [(4.0, down.start)]
+            )
+        finally:
+            down.start()
+        answer = first.answer()
+    assert answer.status == 201 and answer.json()["attempt"] == 1, answer.body
+    assert_never_taken_over(retries, answer)
+    assert [a for a, _ in runs(executions, key)] == [1]
+
+
 def test_a_node_that_does_not_answer_keeps_a_dead_owners_claim(
     start_gunicorn: Callable[..., GunicornServer],
     citus: CitusCluster,
@@ -255,14 +295,7 @@ def test_a_node_that_does_not_answer_keeps_a_dead_owners_claim(
     lease = 4
     coordinator, _ = serve_on_both(start_gunicorn, citus, tables, lease=lease)
     table = tables["IDEMPOTENCY_TABLE"]
-    with psycopg.connect(citus.url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT nodeport FROM citus_shards WHERE table_name = %s::regclass"
-            " AND shardid = get_shard_id_for_distribution_column(%s, '')",
-            (table, table),
-        ).fetchone()
-    assert row is not None
-    down = next(w for w in citus.workers if w.port != row[0])  # not the key's shard's node
+    down = other_node(citus, table)
     key = f"down-{uuid.uuid4()}"
     with sending(executions, coordinator.port, "/retry", key) as (first, _):
         [(_, victim)] = view_started(executions, key, first)

@@ -27,6 +27,19 @@ def owner_of(app: Flask) -> Owner:
     return owner
 
 
+def kill_owner(app: Flask, db: DB) -> None:
+    """*app*'s owner stops, as its process's death would end it, and its lock is gone from
+    ``pg_locks`` (the server ends the session a moment after the socket closes; what a
+    test then does must not race that moment on a loaded machine)."""
+    owner = owner_of(app)
+    owner.stop()
+    held = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %s"
+    )
+    wait_until(lambda: db.execute(held, (owner.id,)).fetchone() == (0,), 10)
+
+
 def owner_row(db: DB, key: str) -> tuple[object, ...]:
     row = db.execute(
         "SELECT status, attempt, owner_id, owner_host, owner_pid, locked_until > now()"
@@ -97,7 +110,7 @@ def test_a_dead_owners_claim_is_taken_over_at_once_and_its_late_finish_is_fenced
     worker, other = make_app(), make_app()  # the default 60 s lease
     thread, proceed, results = hold_first(worker, key)
     try:
-        owner_of(worker).stop()  # the worker's session ends for good: it is dead
+        kill_owner(worker, db)  # the worker's session ends for good: it is dead
         started = time.monotonic()
         retry = post(other.test_client(), "/payments", key)
         took = time.monotonic() - started
@@ -122,7 +135,7 @@ def test_a_dead_owners_claim_of_an_unknown_route_answers_outcome_unknown_at_once
     other = make_app(IDEMPOTENCY_ON_ABANDONED="unknown")
     thread, proceed, _ = hold_first(worker, key)
     try:
-        owner_of(worker).stop()
+        kill_owner(worker, db)
         retry = post(other.test_client(), "/payments", key)
         assert retry.status_code == 409
         assert retry.get_json()["type"].endswith(":outcome-unknown")
@@ -273,7 +286,7 @@ def test_the_cleaner_marks_a_dead_owners_claim_at_once_and_leaves_a_live_ones(
     dead_thread, dead_proceed, _ = hold_first(dead, f"{key}-dead")
     live_thread, live_proceed, _ = hold_first(live, f"{key}-live")
     try:
-        owner_of(dead).stop()
+        kill_owner(dead, db)
         result = cleaner.test_cli_runner().invoke(args=["idempotency-clean"])
         assert result.exit_code == 0, result.output
         assert "abandoned claims" in result.output  # (the table's other tests' too)
@@ -301,7 +314,7 @@ def test_the_completer_takes_up_a_dead_owners_claim_at_once(
     thread.start()
     try:
         assert entered.wait(10)
-        owner_of(worker).stop()
+        kill_owner(worker, db)
         result = completer.test_cli_runner().invoke(
             args=["idempotency-complete", "--older-than", "0"]
         )
@@ -345,7 +358,7 @@ def test_people_see_the_owner_alive_or_gone_on_the_key_page_and_the_gauge(
 
 
 def test_run_once_takes_a_dead_consumers_claim_over_at_once(
-    make_app: Callable[..., Flask], key: str
+    make_app: Callable[..., Flask], db: DB, key: str
 ) -> None:
     from flask_idempotency import current_idempotency
     from flask_idempotency.consumer import _fingerprint
@@ -358,7 +371,7 @@ def test_run_once_takes_a_dead_consumers_claim_over_at_once(
     store = dead.extensions["idempotency"].store
     with dead.app_context():
         store.claim("", key, _fingerprint(effect), dead.extensions["idempotency"].settings.route)
-    owner_of(dead).stop()  # the consumer that claimed the message died
+    kill_owner(dead, db)  # the consumer that claimed the message died
     with alive.app_context():
         started = time.monotonic()
         assert alive.extensions["idempotency"].extension.run_once(key, effect) == 2
@@ -384,7 +397,7 @@ def test_a_dead_completers_reservation_is_taken_up_at_once(
     assert [row.key for row in reserved] == [key]  # held for ten minutes by this completer
     live = completer.test_cli_runner().invoke(args=["idempotency-complete", "--older-than", "0"])
     assert f"key='{key}'" not in live.output  # a live completer's reservation is respected
-    owner_of(dead).stop()  # ... which dies
+    kill_owner(dead, db)  # ... which dies
     result = completer.test_cli_runner().invoke(args=["idempotency-complete", "--older-than", "0"])
     assert result.exit_code == 0, result.output
     assert f"completed tenant='acme' key='{key}'" in result.output
@@ -407,7 +420,7 @@ def test_a_process_ending_under_run_once_stores_nothing_and_leaves_the_claim_to_
         dying.extensions["idempotency"].extension.run_once(key, effect)
     assert owner_row(db, key)[:2] == ("processing", 1)  # no failure stored
     assert owner_of(dying).kept == 0 and not owner_of(dying)._held  # nor renewed
-    owner_of(dying).stop()
+    kill_owner(dying, db)
     with alive.app_context():
         assert alive.extensions["idempotency"].extension.run_once(key, effect) == 2
 
