@@ -51,6 +51,7 @@ from flask_idempotency.testing.citus import CitusCluster
 from flask_idempotency.testing.proxy import TcpProxy
 from tests.apps.e2e_app import create_tables, environment
 from tests.support.gunicorn_server import GunicornServer, Response, post, wait_until
+from tests.support.helpers import OWNER_LOCK_HELD
 
 
 def table_names(letter: str) -> dict[str, str]:
@@ -86,11 +87,7 @@ def owner_lock_nodes(citus: CitusCluster, owner_id: int) -> list[str]:
     held = []
     for url in (citus.url, *citus.worker_urls):
         with psycopg.connect(url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %s",
-                (owner_id,),
-            ).fetchone()
+            row = conn.execute(OWNER_LOCK_HELD, (owner_id,)).fetchone()
         if row and row[0]:
             held.append(url)
     return held

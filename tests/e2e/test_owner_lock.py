@@ -33,7 +33,7 @@ from flask_idempotency.store.owner import APPLICATION_NAME as OWNER_APPLICATION
 from flask_idempotency.testing.postgres import PostgresServer, StopMode
 from tests.apps.e2e_app import create_tables, environment
 from tests.support.gunicorn_server import GunicornServer, Response, post, ppid_of, wait_until
-from tests.support.helpers import DB
+from tests.support.helpers import DB, OWNER_LOCK_HELD
 
 APP = "tests.apps.ops_app:create_app()"
 #: from a worker's death to its client's retry's answer, at most, here. SPEC §20 promises
@@ -47,10 +47,6 @@ RETRY_EVERY = 0.2
 TERMINATE_ALL = (
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
     " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-)
-OWNER_LOCK_HELD = (
-    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-    " AND (classid::bigint << 32 | objid::bigint) = %s"
 )
 
 

@@ -31,6 +31,11 @@ CLAIM_LOCKS = (
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " AND a.application_name IS DISTINCT FROM 'flask-idempotency owner'"
 )
+#: how many sessions hold the owner lock %s (SPEC §20), on the server asked
+OWNER_LOCK_HELD = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+    " AND (classid::bigint << 32 | objid::bigint) = %s"
+)
 
 
 def count(db: DB, query: str, *params: Any) -> int:

@@ -18,7 +18,14 @@ from flask_idempotency.model import KeyStatus
 from flask_idempotency.state import get_state
 from flask_idempotency.store.owner import GRACE_SECONDS, Owner
 from flask_idempotency.testing.proxy import TcpProxy
-from tests.support.helpers import DB, executions, hold_first, post, wait_until
+from tests.support.helpers import (
+    DB,
+    OWNER_LOCK_HELD,
+    executions,
+    hold_first,
+    post,
+    wait_until,
+)
 
 
 def owner_of(app: Flask) -> Owner:
@@ -33,11 +40,7 @@ def kill_owner(app: Flask, db: DB) -> None:
     test then does must not race that moment on a loaded machine)."""
     owner = owner_of(app)
     owner.stop()
-    held = (
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-        " AND objsubid = 1 AND (classid::bigint << 32 | objid::bigint) = %s"
-    )
-    wait_until(lambda: db.execute(held, (owner.id,)).fetchone() == (0,), 10)
+    wait_until(lambda: db.execute(OWNER_LOCK_HELD, (owner.id,)).fetchone() == (0,), 10)
 
 
 def owner_row(db: DB, key: str) -> tuple[object, ...]:
