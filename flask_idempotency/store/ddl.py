@@ -121,18 +121,35 @@ UPGRADE_JOB_COLUMNS = (
 #: TTL) and ``reconcile_due_at`` alone; rare states are found by columns only rare
 #: transitions change.
 INDEXES = {
-    # the cleaner's expired keys, every status (a processing row past its expiry is an
-    # abandoned claim, which the cleaner settles too)
-    "expiry_idx": "{table} (expires_at)",
     # unknown keys (the reconciler, the dead-letter list, the console): exactly the rows
     # whose reconcile_due_at is set
     "unknown_due_idx": "{table} (created_at) WHERE reconcile_due_at IS NOT NULL",
     # the completer's due keys: only claims of complete=True routes not completed yet
     "pending_idx": "{table} (created_at) WHERE request IS NOT NULL",
+    # One timestamp index for the keys by time (issue 48): each TTL class (the routes'
+    # TTLs, a handful; 0 for a key claimed by a release that recorded none) in order of
+    # creation. The cleaner walks a class up to now() - its TTL (a key expires no sooner),
+    # the console and the sweeps of recent claims walk each class's newest and merge them
+    # (statements_by_class). One index entry per new key, where the two below cost two
+    # (64 B of WAL each).
+    "ttl_created_idx": "{table} ((coalesce(ttl_seconds, 0)), created_at)",
+    # On Citus (SPEC §22) the two of earlier releases instead: a recursive loose scan of
+    # the classes cannot run on a distributed table.
+    # the cleaner's expired keys, every status (a processing row past its expiry is an
+    # abandoned claim, which the cleaner settles too)
+    "expiry_idx": "{table} (expires_at)",
     # the console's keys list, newest or oldest first, a page at a time; the
     # abandoned-claim sweep over the recent claims
     "created_idx": "{table} (created_at)",
 }
+
+#: the indexes of INDEXES a table on plain PostgreSQL does without, and those a table on
+#: Citus does without: an upgrade builds what the table's kind has and lacks, and
+#: ``flask idempotency-init`` drops the others (RETIRED_INDEXES)
+CITUS_ONLY_INDEXES = frozenset({"expiry_idx", "created_idx"})
+PLAIN_ONLY_INDEXES = frozenset({"ttl_created_idx"})
+#: the indexes a table on plain PostgreSQL has
+PLAIN_INDEXES = tuple(suffix for suffix in INDEXES if suffix not in CITUS_ONLY_INDEXES)
 
 #: indexes of earlier releases that the finish had to update (their columns change
 #: with it): dropped by the upgrade once the indexes above exist

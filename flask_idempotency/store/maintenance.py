@@ -28,6 +28,7 @@ from .records import (
     records,
 )
 from .sealing import refused
+from .statement import Statement
 from .statements_background import (
     BURY_EXPIRED,
     COUNT_ABANDONED,
@@ -44,6 +45,15 @@ from .statements_background import (
     MARK_ABANDONED,
     OWNERS_OF_CLAIMS,
     SHOW_KEY,
+)
+from .statements_by_class import (
+    BURY_EXPIRED_BY_CLASS,
+    COUNT_ABANDONED_BY_CLASS,
+    COUNT_EXPIRED_BY_CLASS,
+    COUNT_STUCK_BY_CLASS,
+    LIST_KEYS_BY_CLASS,
+    MARK_ABANDONED_BY_CLASS,
+    OWNERS_OF_CLAIMS_BY_CLASS,
 )
 from .statements_citus import (
     COUNT_STUCK_CITUS,
@@ -64,22 +74,43 @@ class Buried:
     tombstones: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ByTime:
+    """A statement that finds keys by time, in its two forms: walking ``ttl_created_idx``
+    by TTL class (plain PostgreSQL, :mod:`.statements_by_class`), or ``expiry_idx`` and
+    ``created_idx`` (Citus, and a table whose new index is not built yet)."""
+
+    by_class: Statement
+    by_time: Statement
+
+    def on(self, store: PostgresStore) -> Statement:
+        """The form for *store*'s table as it is."""
+        return self.by_class if store.ttl_classes else self.by_time
+
+
 class Maintenance:
     """Runs the operators' statements on *store*."""
 
     def __init__(self, store: PostgresStore) -> None:
         self.store = store
         statement = store.statement
-        self._bury_expired = statement(BURY_EXPIRED)
+
+        def by_time(by_class: str, by_time: str, **parts: sql.Composable) -> ByTime:
+            return ByTime(statement(by_class, **parts), statement(by_time, **parts))
+
+        dead_owner = sql.SQL(DEAD_OWNER)
+        self._bury_expired = by_time(BURY_EXPIRED_BY_CLASS, BURY_EXPIRED)
         self._delete_tombstones = statement(DELETE_TOMBSTONES)
-        self._count_expired = statement(COUNT_EXPIRED)
-        self._mark_abandoned = statement(MARK_ABANDONED, dead_owner=sql.SQL(DEAD_OWNER))
-        self._owners_of_claims = statement(OWNERS_OF_CLAIMS)
-        self._count_abandoned = statement(COUNT_ABANDONED)
-        self._list_keys = statement(LIST_KEYS)
+        self._count_expired = by_time(COUNT_EXPIRED_BY_CLASS, COUNT_EXPIRED)
+        self._mark_abandoned = by_time(
+            MARK_ABANDONED_BY_CLASS, MARK_ABANDONED, dead_owner=dead_owner
+        )
+        self._owners_of_claims = by_time(OWNERS_OF_CLAIMS_BY_CLASS, OWNERS_OF_CLAIMS)
+        self._count_abandoned = by_time(COUNT_ABANDONED_BY_CLASS, COUNT_ABANDONED)
+        self._list_keys = by_time(LIST_KEYS_BY_CLASS, LIST_KEYS)
         self._show_key = statement(SHOW_KEY)
         self._list_jobs = statement(LIST_JOBS)
-        self._count_stuck = statement(COUNT_STUCK)
+        self._count_stuck = by_time(COUNT_STUCK_BY_CLASS, COUNT_STUCK)
         self._citus_count_stuck = statement(COUNT_STUCK_CITUS)
         self._count_backlog = statement(COUNT_BACKLOG, deferred=sql.SQL(DEFERRED))
         self._list_exhausted = statement(LIST_EXHAUSTED)
@@ -92,14 +123,14 @@ class Maintenance:
             without_row_locks(DELETE_TOMBSTONES, TOMBSTONE_RECHECK, TOMBSTONE_JOINED)
         )
         self._citus_mark_abandoned = statement(
-            abandoned_without_row_locks(MARK_ABANDONED), dead_owner=sql.SQL(DEAD_OWNER)
+            abandoned_without_row_locks(MARK_ABANDONED), dead_owner=dead_owner
         )
 
     def delete_expired(self, batch_size: int) -> Buried:
         """Delete one batch of finished keys past ``expires_at``, leaving a tombstone of each
         completed one (SPEC §24; none with IDEMPOTENCY_TOMBSTONE_TTL = 0)."""
         params = {"batch": batch_size, "tombstone_ttl": self.store.tombstone_seconds}
-        bury = self._citus_bury_expired if self.store.citus else self._bury_expired
+        bury = self._citus_bury_expired if self.store.citus else self._bury_expired.on(self.store)
         row = self.store.run(bury, params)[1]
         assert row is not None
         return Buried(int(row[0]), int(row[1]))
@@ -112,7 +143,7 @@ class Maintenance:
 
     def count_expired(self) -> int:
         """How many finished keys are past ``expires_at``."""
-        return self._count(self.store.run(self._count_expired, {})[1])
+        return self._count(self.store.run(self._count_expired.on(self.store), {})[1])
 
     def mark_abandoned(self, margin: timedelta, on_abandoned: str, batch_size: int) -> Abandoned:
         """Mark one batch of claims whose lease ended more than *margin* ago, each as the
@@ -124,16 +155,18 @@ class Maintenance:
             "on_abandoned": on_abandoned,
             "batch": batch_size,
             # claims in their lease whose owner is dead (SPEC §20): at once
-            "gone_owners": self.store.dead_owners(self._owners_of_claims),
+            "gone_owners": self.store.dead_owners(self._owners_of_claims.on(self.store)),
         }
-        mark = self._citus_mark_abandoned if self.store.citus else self._mark_abandoned
+        store = self.store
+        mark = self._citus_mark_abandoned if store.citus else self._mark_abandoned.on(store)
         return self._abandoned(self.store.run(mark, params)[1])
 
     def count_abandoned(self, margin: timedelta, on_abandoned: str) -> Abandoned:
         """How many claims have had their lease end more than *margin* ago, and how many
         of them :meth:`mark_abandoned` would mark ``unknown``."""
         params = {"margin": margin, "on_abandoned": on_abandoned}
-        return self._abandoned(self.store.run(self._count_abandoned, params)[1])
+        count = self._count_abandoned.on(self.store)
+        return self._abandoned(self.store.run(count, params)[1])
 
     def list_keys(
         self,
@@ -150,7 +183,7 @@ class Maintenance:
             "older_than": older_than,
             "limit": limit,
         }
-        return records(KeyListing, self.store.fetch(self._list_keys, params))
+        return records(KeyListing, self.store.fetch(self._list_keys.on(self.store), params))
 
     def get_key(self, tenant: str, key: str) -> StoredKey | None:
         """Everything stored for one key (its response opened if sealed), or None.
@@ -180,7 +213,8 @@ class Maintenance:
             "max_attempts": max_attempts,
             "retired_unknown_index": self.store.schema.retired_unknown_index,
         }
-        count = self._citus_count_stuck if self.store.citus else self._count_stuck
+        store = self.store
+        count = self._citus_count_stuck if store.citus else self._count_stuck.on(store)
         counts = record_of(StuckCounts, self.store.fetch(count, params))
         assert counts is not None
         return counts

@@ -34,6 +34,7 @@ from .rows import is_storable_text, storable_text
 from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
 from .statement import Statement
 from .statements_background import RESOLVE_KEY
+from .statements_by_class import KEYS_PAGE_BY_CLASS, WINDOW_END_BY_CLASS
 from .statements_citus import KEY_DETAIL_CITUS
 from .statements_console import (
     AUDIT_PAGE,
@@ -221,11 +222,16 @@ class Operations:
             "cmp": cmp,
             "unknown_only": sql.SQL(UNKNOWN_ONLY if unknown else ""),
         }
-        rows = [KeyRow(**row) for row in self._rows(KEYS_PAGE, params, **parts)]
+        # the unknown keys walk unknown_due_idx; the others, ttl_created_idx by class
+        by_class = not unknown and self.store.ttl_classes
+        page, window_end = (
+            (KEYS_PAGE_BY_CLASS, WINDOW_END_BY_CLASS) if by_class else (KEYS_PAGE, WINDOW_END)
+        )
+        rows = [KeyRow(**row) for row in self._rows(page, params, **parts)]
         if len(rows) > limit:
             last = rows[limit - 1]
             return KeysPage(rows[:limit], (last.cursor_at, last.tenant, last.key), False)
-        end = [WindowEnd(**row) for row in self._rows(WINDOW_END, params, **parts)]
+        end = [WindowEnd(**row) for row in self._rows(window_end, params, **parts)]
         if not end:
             return KeysPage(rows, None, False)
         return KeysPage(rows, (end[0].created_at, end[0].tenant, end[0].key), True)

@@ -195,6 +195,15 @@ class PostgresStore(Execution):
                     self.schema.state(conn)
         return bool(self.schema.citus)
 
+    @property
+    def ttl_classes(self) -> bool:
+        """The keys table has ``ttl_created_idx`` (plain PostgreSQL): the statements that
+        find keys by time walk it one TTL class at a time (:mod:`.statements_by_class`);
+        else (Citus, or an upgraded table whose index is still being built) they read
+        ``expiry_idx`` and ``created_idx``. Known from the schema's last look."""
+        citus = self.citus  # looks at the schema if no check did: it learns both
+        return not citus and bool(self.schema.ttl_classes)
+
     def _new_owner(self) -> Owner:
         """As :meth:`.Execution._new_owner`; on Citus, its renewals one claim each (one shard
         each), its lock counted only on a node of the cluster's metadata (where the other

@@ -41,6 +41,7 @@ from .ddl import (
     ADD_COLUMN,
     AUDIT_KEY,
     AUDIT_KEY_DISTRIBUTED,
+    CITUS_ONLY_INDEXES,
     CITUS_STATE,
     COLOCATED_TENANT,
     CREATE_INDEX,
@@ -56,6 +57,7 @@ from .ddl import (
     JOBS_SEQ_COLUMN,
     LOCK_TIMEOUT,
     MARK_UNKNOWN_DUE,
+    PLAIN_ONLY_INDEXES,
     REFERENCE,
     RETIRED_INDEXES,
     SCHEMA_STATE,
@@ -164,8 +166,16 @@ class Schema:
         self.table = sql.Identifier(*parts)
         name = parts[-1]
         prefix = _quoted(parts[0]) + "." if len(parts) == 2 else ""
-        #: index name → its definition after ``ON``
+        #: index name → its definition after ``ON`` (those of plain PostgreSQL and of Citus)
         self.indexes = {f"{name}_{suffix}": INDEXES[suffix] for suffix in INDEXES}
+        #: the indexes only a table on Citus has, and those only one on plain PostgreSQL has
+        self._citus_only = {f"{name}_{suffix}" for suffix in CITUS_ONLY_INDEXES}
+        self._plain_only = {f"{name}_{suffix}" for suffix in PLAIN_ONLY_INDEXES}
+        #: the index the statements of plain PostgreSQL walk by TTL class (statements_by_class)
+        self._ttl_index = f"{name}_ttl_created_idx"
+        #: the keys table has that index, valid, and no Citus, as the last look said (None:
+        #: not looked yet): the statements that find keys by time walk it
+        self.ttl_classes: bool | None = None
         #: indexes of earlier releases that the upgrade drops (once the new ones exist)
         self.retired = [f"{name}_{suffix}" for suffix in RETIRED_INDEXES]
         jobs_parts = jobs_table.split(".")
@@ -246,6 +256,16 @@ class Schema:
                 Step(f"index {index}", self._lacks_index(index), self._index_builder(index), BUILD)
                 for index in self.indexes
             ),
+            # on plain PostgreSQL, the two timestamp indexes of earlier releases (issue 48)
+            *(
+                Step(
+                    f"drop index {index}",
+                    self._has_index(index, citus=False),
+                    self._index_dropper(index),
+                    RETIRE,
+                )
+                for index in sorted(self._citus_only)
+            ),
             # before the old unknown_idx goes: it finds the rows to mark
             Step(
                 "unknown keys due",
@@ -280,6 +300,8 @@ class Schema:
         assert row is not None
         missing, columns, job_columns, invalid, options, owned, citus = row
         self.citus = citus
+        ttl_index = self._regclass[self._ttl_index]  # as to_regclass names it
+        self.ttl_classes = not citus and ttl_index not in missing and self._ttl_index not in invalid
         coordinator, distributed, claim_function = True, [], False
         if citus:
             names = [self._regclass[part] for part in self._table_regclass.values()]
@@ -425,7 +447,8 @@ class Schema:
             storage = _storage(STORAGE)
             conn.execute(sql.SQL(TABLE).format(table=self.table, storage=storage), prepare=False)
             for index, definition in self.indexes.items():
-                conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
+                if self._wanted(index, state.citus):
+                    conn.execute(self._index_sql(CREATE_INDEX, index, definition), prepare=False)
         if self._regclass["jobs"] in state.missing:
             self._create_jobs(conn)
         self._create_console(conn)
@@ -711,11 +734,21 @@ class Schema:
                 with_keys = {"table": regclass, "with": self._regclass["table"]}
                 conn.execute(DISTRIBUTE, with_keys, prepare=False)
 
-    def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
-        return lambda state: self._regclass[index] in state.missing or index in state.invalid
+    def _wanted(self, index: str, citus: bool) -> bool:
+        """Whether a table of this kind (on Citus or not) has *index*."""
+        return index not in (self._plain_only if citus else self._citus_only)
 
-    def _has_index(self, index: str) -> Callable[[SchemaState], bool]:
-        return lambda state: self._regclass[index] not in state.missing
+    def _lacks_index(self, index: str) -> Callable[[SchemaState], bool]:
+        return lambda state: (
+            self._wanted(index, state.citus)
+            and (self._regclass[index] in state.missing or index in state.invalid)
+        )
+
+    def _has_index(self, index: str, citus: bool | None = None) -> Callable[[SchemaState], bool]:
+        """A step's test: *index* exists (and the table is on Citus or not, if *citus* says)."""
+        return lambda state: (
+            self._regclass[index] not in state.missing and (citus is None or state.citus == citus)
+        )
 
     def _mark_unknown(self, conn: psycopg.Connection[Any]) -> None:
         # Unknown keys of an earlier release have no reconcile_due_at (NULL meant "due

@@ -16,6 +16,7 @@ from psycopg.rows import TupleRow
 
 from tests.e2e.test_gunicorn import request
 from tests.support.gunicorn_server import ROOT, GunicornServer
+from tests.support.helpers import expire_keys
 
 DB = psycopg.Connection[TupleRow]
 
@@ -49,10 +50,7 @@ def test_a_retry_after_expiry_is_answered_under_gunicorn_and_after_the_cleaner(
     tenant = key = f"expiry-{os.getpid()}-{id(server)}"
     status, _, body = request(server.port, key, {"amount": 700}, api_key=tenant)
     assert status == 201
-    db.execute(
-        "UPDATE idempotency_keys SET expires_at = now() WHERE tenant = %s AND key = %s",
-        [tenant, key],
-    )
+    expire_keys(db, "tenant = %(tenant)s AND key = %(key)s", tenant=tenant, key=key)
     for cleaned in (False, True):
         if cleaned:
             assert "tombstones" in clean_as_cron(database_url)

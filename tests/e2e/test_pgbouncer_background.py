@@ -27,7 +27,7 @@ from flask_idempotency.background.reconciler import Reconciliation
 from flask_idempotency.state import get_state
 from tests.apps import bounds_app
 from tests.apps.e2e_app import create_tables, environment
-from tests.support.helpers import count, run_together
+from tests.support.helpers import count, expire_keys, run_together
 from tests.support.pgbouncer import PgBouncer
 
 DB = psycopg.Connection[TupleRow]
@@ -127,7 +127,7 @@ def test_the_background_batches_through_default_pgbouncer(
         f"UPDATE {table} SET status = 'unknown', reconcile_due_at = now()"
         f" WHERE key ~ '-p[0-9]*[02468]$'"
     )
-    db.execute(f"UPDATE {table} SET expires_at = now() WHERE key ~ '-p[0-9]*[13579]$'")
+    expire_keys(db, "key ~ '-p[0-9]*[13579]$'", table=table)
 
     def in_threads(app: Flask, batch: Callable[[], int]) -> int:
         def work(i: int) -> int:

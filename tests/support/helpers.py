@@ -38,6 +38,23 @@ OWNER_LOCK_HELD = (
 )
 
 
+def expire_keys(
+    db: DB, where: str, table: str = "idempotency_keys", ago: str = "0 seconds", **params: Any
+) -> int:
+    """The keys *where* selects (named parameters *params*) expired *ago*, as if that much
+    time had passed: every timestamp of their rows moves back by the same amount, so that
+    the cleaner finds them where it looks (by TTL class, created at least their TTL ago:
+    statements_by_class). How many."""
+    shift = "(expires_at - now() + %(ago)s::interval)"
+    query = sql.SQL(
+        "UPDATE {table} SET created_at = created_at - " + shift + ","
+        " updated_at = updated_at - " + shift + ","
+        " locked_until = locked_until - " + shift + ","
+        " expires_at = now() - %(ago)s::interval WHERE " + where
+    ).format(table=sql.Identifier(*table.split(".")))
+    return db.execute(query, {**params, "ago": ago}).rowcount
+
+
 def count(db: DB, query: str, *params: Any) -> int:
     """The one integer *query* answers (a ``count(*)``, a sum)."""
     row = db.execute(query, params).fetchone()

@@ -514,8 +514,8 @@ def test_init_adds_the_audit_and_heartbeats_tables_to_a_populated_old_table(
         result = app.test_cli_runner().invoke(args=["idempotency-init"])
         assert result.exit_code == 0, result.output
         assert "audit and heartbeats tables" in result.output
-        assert f"index {table}_created_idx" in result.output
-        assert f"{table}_created_idx" in valid_indexes(db, table)
+        assert f"index {table}_ttl_created_idx" in result.output
+        assert f"{table}_ttl_created_idx" in valid_indexes(db, table)
         for name in (f"{table}_audit", f"{table}_beats"):
             assert db.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone() == (True,)
         assert db.execute(f"SELECT count(*) FROM {table}").fetchone() == (50_000,)

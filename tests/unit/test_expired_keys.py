@@ -20,16 +20,13 @@ from flask import Flask
 from psycopg import sql
 
 from flask_idempotency.state import get_state
-from tests.support.helpers import DB, executions, post, problem
+from tests.support.helpers import DB, executions, expire_keys, post, problem
 from tests.support.old_tables import app_on
 
 
 def expire(db: DB, key: str, ago: str = "0 seconds") -> None:
     """*key*'s answer expired *ago*."""
-    db.execute(
-        "UPDATE idempotency_keys SET expires_at = now() - %s::interval WHERE key = %s",
-        [ago, key],
-    )
+    expire_keys(db, "key = %(key)s", ago=ago, key=key)
 
 
 def clean(app: Flask) -> tuple[int, int, int]:
@@ -263,11 +260,7 @@ def test_init_gives_a_populated_0_1_0_table_its_tombstones(
         assert "tombstones table" in init.output
         found = db.execute("SELECT to_regclass(%s) IS NOT NULL", [tombstones]).fetchone()
         assert found == (True,)
-        expired = db.execute(
-            sql.SQL(
-                "UPDATE {} SET expires_at = now() WHERE status = 'completed' AND tenant = 't1'"
-            ).format(sql.Identifier(old_table))
-        ).rowcount
+        expired = expire_keys(db, "status = 'completed' AND tenant = 't1'", table=old_table)
         assert expired > 0
         with app.app_context():
             cleaned = get_state().maintenance.delete_expired(100_000)

@@ -14,7 +14,7 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency.errors import ProblemError
 from flask_idempotency.state import get_state
-from tests.support.helpers import DB, hold_first, post, problem
+from tests.support.helpers import DB, expire_keys, hold_first, post, problem
 
 
 def state(answer: TestResponse, status: int, slug: str) -> tuple[str, bool]:
@@ -56,12 +56,14 @@ def test_unknown_and_expired_keys(make_app: Callable[..., Flask], db: DB, key: s
         ("expired", 409, "key-expired", ("expired", False)),
     ):
         assert post(app.test_client(), "/payments", key + name).status_code == 201
-        change = (
-            "status = 'unknown', reconcile_due_at = now()"
-            if name == "unknown"
-            else "expires_at = now()"
-        )
-        db.execute(f"UPDATE idempotency_keys SET {change} WHERE key = %s", [key + name])
+        if name == "unknown":
+            db.execute(
+                "UPDATE idempotency_keys SET status = 'unknown', reconcile_due_at = now()"
+                " WHERE key = %s",
+                [key + name],
+            )
+        else:
+            expire_keys(db, "key = %(key)s", key=key + name)
         assert state(post(app.test_client(), "/payments", key + name), status, slug) == expected
     # another body under the expired key, from its tombstone: 422, safe under a new key
     with app.app_context():
