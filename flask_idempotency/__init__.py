@@ -115,6 +115,10 @@ def _load_all() -> None:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed distribution's (setup.cfg), read on first use
+        from importlib.metadata import version
+
+        return version("flask-idempotency")
     if name == "signals":  # a module: ``from . import signals`` inside the package
         return importlib.import_module(".signals", __name__)
     if name not in _DEFINED_IN:
@@ -124,4 +128,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, "__version__"})
