@@ -13,8 +13,10 @@ time per request of gunicorn (the master and its workers) and of PostgreSQL (eve
 backend); then each release's b / f and b / p, by rate and by CPU per request. On a shared
 machine trust the CPU figures (a stall of the disk moves the rate, not the CPU).
 
-A release's table is upgraded by that release's ``flask idempotency-init``: run the oldest
-first (the order of ``--compare``, this checkout last) when they differ in schema.
+Each release has a keys table of its own (``idempotency_keys_<n>``, made by that release's
+``flask idempotency-init``), so that each is measured on the layout it makes: an upgrade by
+a later release would otherwise drop an earlier one's indexes. The shared tables (jobs,
+audit, heartbeats) are made by the oldest: list ``--compare`` oldest first.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         assert db.pid is not None
         servers: dict[str, Gunicorn] = {}
         try:
-            for name, root in roots.items():
-                env = app_env(db.url, workdir, PYTHONPATH=str(root))
+            for n, (name, root) in enumerate(roots.items()):
+                table = f"idempotency_keys_{n}"
+                env = app_env(db.url, workdir, PYTHONPATH=str(root), FLASK_IDEMPOTENCY_TABLE=table)
                 db.prepare_app(env, root)
                 servers[name] = start_gunicorn(
                     processes, workdir, f"releases-{name}", args.workers, env, root=root
