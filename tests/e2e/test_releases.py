@@ -73,6 +73,9 @@ RELEASES = [
     # the last release without owners (SPEC §20): its claims and takeovers leave the owner
     # columns as they were
     OldRelease("fe789f9", "now()"),
+    # the last release with expiry_idx and created_idx on plain PostgreSQL (issue 48): while
+    # it serves, its cleaner, sweeps and console read them; the new one builds ttl_created_idx
+    OldRelease("5cf0171", "now()"),
 ]
 
 #: keys put in the old release's table by SQL, before any process serves it
