@@ -1,4 +1,4 @@
-"""The benchmark driver, started by ``bash bench/run`` (see docs/performance.md).
+"""The benchmark driver, started by ``bash bench/run`` (see docs/performance-history.md).
 
 One run on this machine, against a throwaway *durable* PostgreSQL (``fsync``,
 ``synchronous_commit`` and ``full_page_writes`` on) and gunicorn on 127.0.0.1 (the app

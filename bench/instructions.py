@@ -1,7 +1,7 @@
 """The app's CPU per request, counted in instructions: what does not move with the machine.
 
 CPU time per request moved by ±20 % between runs of the same code on the shared 2-core
-machine (docs/performance.md); the number of instructions the app's process executes per
+machine (docs/performance-history.md); the number of instructions the app's process executes per
 request does not (±0.5 % between runs). valgrind's callgrind counts them, for
 ``bench/inprocess.py`` (Flask's test client, sequential, against a throwaway durable
 PostgreSQL, which runs outside valgrind and is not counted):

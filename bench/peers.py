@@ -57,7 +57,7 @@ def probe_flask_idempotent() -> str:
         import flask_idempotent  # type: ignore[import-not-found,import-untyped,unused-ignore] # noqa: F401
     except Exception as exc:  # it fails at import time on current Flask and Jinja
         return f"{type(exc).__name__}: {exc}"
-    return "imports, but bench/peers.py does not wire it (see docs/performance.md)"
+    return "imports, but bench/peers.py does not wire it (see docs/performance-history.md)"
 
 
 def add_powertools(app: Flask, work: Work, redis_url: str) -> None:

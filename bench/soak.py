@@ -76,7 +76,7 @@ def log(message: str) -> None:
 class Prober:
     """Claims (and finishes) new keys one at a time through the extension's store, kept
     for *ttl* seconds like the app's (a longer TTL among short ones keeps pages of
-    ``created_idx`` alive: docs/performance.md)."""
+    ``created_idx`` alive: docs/performance-history.md)."""
 
     def __init__(self, url: str, exec_dir: Path, prefix: str, ttl: int) -> None:
         self.app = create_app(url, str(exec_dir))

@@ -300,7 +300,7 @@ def stored_response(response: Response, settings: RouteSettings) -> StoredRespon
         ("Content-Length", str(len(body)))
     ]:
         # the body tells it, and the replay's response sets it again in the same place
-        # (last): 32 bytes less in every stored row (docs/performance.md, issue 42)
+        # (last): 32 bytes less in every stored row (docs/performance-history.md, issue 42)
         headers.pop()
     return StoredResponse(response.status_code, headers, body)
 

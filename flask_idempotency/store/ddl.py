@@ -16,7 +16,7 @@ from __future__ import annotations
 # update logs only those bytes (PostgreSQL logs the new row version without the prefix and
 # the suffix it shares with the old one on the same page); then the text the claim writes
 # once; the columns of rare states, mostly NULL, last. 48 bytes less WAL per new key than
-# the 0.1.0 order (docs/performance.md). A table made by an earlier release keeps its
+# the 0.1.0 order (docs/performance-history.md). A table made by an earlier release keeps its
 # order (changing it is a rewrite): every statement names its columns.
 TABLE = """
 CREATE TABLE IF NOT EXISTS {table} (
@@ -78,7 +78,7 @@ CREATE INDEX IF NOT EXISTS {tombstones_index} ON {tombstones} (expired_at);
 #:
 #: fillfactor: a page keeps a tenth free when it is filled by claims, so that their
 #: finishes (HOT updates, see INDEXES) find room for the new row version on the same
-#: page: 81 % of finishes were HOT at 100, all of them at 90 (docs/performance.md).
+#: page: 81 % of finishes were HOT at 100, all of them at 90 (docs/performance-history.md).
 STORAGE = {
     "autovacuum_vacuum_scale_factor": "0.02",
     "autovacuum_vacuum_threshold": "1000",
@@ -116,7 +116,7 @@ UPGRADE_JOB_COLUMNS = (
 #:
 #: None of them covers a column the common finish (``processing`` -> ``completed``)
 #: changes, nor ``status``, so that finish is a HOT update: PostgreSQL writes no index
-#: entry and keeps the new row version on its page (docs/performance.md, issue 24).
+#: entry and keeps the new row version on its page (docs/performance-history.md, issue 24).
 #: The finish leaves ``locked_until``, ``expires_at`` (the claim sets it 2 s beyond the
 #: TTL) and ``reconcile_due_at`` alone; rare states are found by columns only rare
 #: transitions change.

@@ -11,7 +11,7 @@ adapters, in C, as a cursor uses), libpq sends them, and the connection's
 :meth:`~psycopg.Connection.wait` waits for the answer (so the store's deadline holds).
 What it skips is the cursor's bookkeeping around each statement. Measured (client CPU,
 sequential, ``python -m bench.cost``): a claim and its finish through the store 281 → 224 µs;
-a whole new-key request 875 → 761 µs, a replay 551 → 527 µs (docs/performance.md).
+a whole new-key request 875 → 761 µs, a replay 551 → 527 µs (docs/performance-history.md).
 
 A prepared statement is named after a hash of its text and parameter types: one name
 always means one statement, wherever it is found.
