@@ -132,3 +132,24 @@ def test_the_readme_names_every_extra_and_pages_install_from_a_clone() -> None:
     pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     wrong = [str(p.relative_to(ROOT)) for p in pages if from_an_index.search(p.read_text("utf-8"))]
     assert wrong == []
+
+
+def test_the_installed_package_holds_every_file_of_the_release() -> None:
+    """Every file of ``flask_idempotency/`` in the release's commit (its modules, the
+    console's templates and static files, ``py.typed``) is in the package the suite imports:
+    under CI=true the wheel's, so that a file the wheel leaves out fails here, not at a
+    user's. The copy CI runs the suite from has no ``.git``: it is told where it is."""
+    git_dir = os.environ.get("IDEMPOTENCY_TEST_GIT_DIR") or str(ROOT / ".git")
+    listed = subprocess.run(
+        ["git", "--git-dir", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "flask_idempotency"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split("\n")
+    files = [name for name in listed if name]
+    assert "flask_idempotency/py.typed" in files
+    assert any(name.endswith(".html") for name in files)
+    installed = PACKAGE.parent.parent
+    missing = [name for name in files if not (installed / name).is_file()]
+    assert missing == [], f"not in the package installed at {installed}: {missing}"

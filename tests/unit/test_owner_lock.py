@@ -88,8 +88,9 @@ def test_a_claim_records_its_owner_and_its_answer_keeps_it_inert(
         proceed.set()
         thread.join(20)
     assert results["first"].status_code == 201
-    # a completed key keeps the columns (its finish rewrites fewer bytes: docs/performance-history.md,
-    # issue 42), where nothing reads them: an owner speaks only for a 'processing' row
+    # a completed key keeps the columns (its finish rewrites fewer bytes: issue 42 in
+    # docs/performance-history.md), where nothing reads them: an owner speaks only for a
+    # 'processing' row
     assert owner_row(db, key)[:5] == ("completed", 1, owner.id, owner.host, owner.pid)
     detail = get_state(app).operations.key_detail("", key, 3, 100)
     assert detail is not None and detail.owner_state is None  # people see no owner
