@@ -49,11 +49,12 @@ TABLE = "idempotency_keys"
 #: one bulk-loaded key: what a completed key of the bench app looks like
 BULK = """
 INSERT INTO idempotency_keys (tenant, key, fingerprint, status, attempt, generation,
-    response_status, response_headers, response_body, created_at, updated_at, expires_at)
+    response_status, response_headers, response_body, created_at, updated_at, expires_at,
+    ttl_seconds)
 SELECT '', 'bulk-' || i, sha256(i::text::bytea), 'completed', 1, i, 201,
        '[["Content-Type", "application/json"], ["Content-Length", "60"]]'::jsonb,
        convert_to('{"amount":1000,"id":"' || gen_random_uuid() || '"}' || chr(10), 'UTF8'),
-       t, t, t + interval '1 day'
+       t, t, t + interval '1 day', 86400
 FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS i,
      LATERAL (SELECT now() - interval '1 day' * (1 - i::float8 / %(n)s)) AS at (t)
 """

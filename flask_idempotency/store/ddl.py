@@ -126,13 +126,16 @@ INDEXES = {
     "unknown_due_idx": "{table} (created_at) WHERE reconcile_due_at IS NOT NULL",
     # the completer's due keys: only claims of complete=True routes not completed yet
     "pending_idx": "{table} (created_at) WHERE request IS NOT NULL",
+    # The keys claimed by a release that recorded no TTL (ttl_seconds NULL, class -1 below),
+    # by expiry, for the cleaner: a new key has a TTL, and writes no entry here. Built
+    # before ttl_created_idx, so that a table has both when the statements walk it.
+    "legacy_expiry_idx": "{table} (expires_at) WHERE coalesce(ttl_seconds, -1) = -1",
     # One timestamp index for the keys by time (issue 48): each TTL class (the routes'
-    # TTLs, a handful; 0 for a key claimed by a release that recorded none) in order of
-    # creation. The cleaner walks a class up to now() - its TTL (a key expires no sooner),
-    # the console and the sweeps of recent claims walk each class's newest and merge them
-    # (statements_by_class). One index entry per new key, where the two below cost two
-    # (64 B of WAL each).
-    "ttl_created_idx": "{table} ((coalesce(ttl_seconds, 0)), created_at)",
+    # TTLs, a handful; -1 for the keys without one) in order of creation. The cleaner walks
+    # a class up to now() - its TTL (a key expires no sooner), the console and the sweeps
+    # of recent claims walk each class's newest and merge them (statements_by_class). One
+    # index entry per new key, where the two below cost two (64 B of WAL each).
+    "ttl_created_idx": "{table} ((coalesce(ttl_seconds, -1)), created_at)",
     # On Citus (SPEC §22) the two of earlier releases instead: a recursive loose scan of
     # the classes cannot run on a distributed table.
     # the cleaner's expired keys, every status (a processing row past its expiry is an
@@ -147,7 +150,7 @@ INDEXES = {
 #: Citus does without: an upgrade builds what the table's kind has and lacks, and
 #: ``flask idempotency-init`` drops the others (RETIRED_INDEXES)
 CITUS_ONLY_INDEXES = frozenset({"expiry_idx", "created_idx"})
-PLAIN_ONLY_INDEXES = frozenset({"ttl_created_idx"})
+PLAIN_ONLY_INDEXES = frozenset({"legacy_expiry_idx", "ttl_created_idx"})
 #: the indexes a table on plain PostgreSQL has
 PLAIN_INDEXES = tuple(suffix for suffix in INDEXES if suffix not in CITUS_ONLY_INDEXES)
 

@@ -171,10 +171,9 @@ class Schema:
         #: the indexes only a table on Citus has, and those only one on plain PostgreSQL has
         self._citus_only = {f"{name}_{suffix}" for suffix in CITUS_ONLY_INDEXES}
         self._plain_only = {f"{name}_{suffix}" for suffix in PLAIN_ONLY_INDEXES}
-        #: the index the statements of plain PostgreSQL walk by TTL class (statements_by_class)
-        self._ttl_index = f"{name}_ttl_created_idx"
-        #: the keys table has that index, valid, and no Citus, as the last look said (None:
-        #: not looked yet): the statements that find keys by time walk it
+        #: the keys table has the indexes of plain PostgreSQL, valid, and no Citus, as the
+        #: last look said (None: not looked yet): the statements that find keys by time walk
+        #: them (statements_by_class)
         self.ttl_classes: bool | None = None
         #: indexes of earlier releases that the upgrade drops (once the new ones exist)
         self.retired = [f"{name}_{suffix}" for suffix in RETIRED_INDEXES]
@@ -300,8 +299,10 @@ class Schema:
         assert row is not None
         missing, columns, job_columns, invalid, options, owned, citus = row
         self.citus = citus
-        ttl_index = self._regclass[self._ttl_index]  # as to_regclass names it
-        self.ttl_classes = not citus and ttl_index not in missing and self._ttl_index not in invalid
+        self.ttl_classes = not citus and all(
+            self._regclass[index] not in missing and index not in invalid
+            for index in self._plain_only
+        )
         coordinator, distributed, claim_function = True, [], False
         if citus:
             names = [self._regclass[part] for part in self._table_regclass.values()]

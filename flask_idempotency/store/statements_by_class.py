@@ -1,15 +1,16 @@
 """The keys by time on plain PostgreSQL: the statements that find keys by their age or
 their expiry, walking ``ttl_created_idx`` one TTL class at a time (issue 48).
 
-A table on plain PostgreSQL has one timestamp index, ``(coalesce(ttl_seconds, 0),
-created_at)``; a table on Citus keeps ``expiry_idx`` and ``created_idx`` and runs the
+A table on plain PostgreSQL has one timestamp index a key writes, ``(coalesce(ttl_seconds,
+-1), created_at)``; a table on Citus keeps ``expiry_idx`` and ``created_idx`` and runs the
 statements of :mod:`.statements_background` and :mod:`.statements_console` as they are
 written there (so does a table whose new index is still being built). This module derives
 the plain forms from them:
 
 - A TTL class is the keys claimed with one TTL (a route's): a handful per table, found by
   a loose scan of the index, one probe each. Keys claimed by a release that recorded no
-  TTL are class 0.
+  TTL are class -1: their expiry is found through ``legacy_expiry_idx`` (on ``expires_at``,
+  for them alone: a new key writes no entry in it).
 - A key is kept at least its TTL from its claim: the claim sets ``expires_at`` 2 s beyond
   it, and every later write (a finish, a takeover, a resolution) sets it no earlier than
   now() + TTL. So a class's expired keys are among its keys created before now() - TTL:
@@ -39,7 +40,10 @@ from .statements_background import (
 from .statements_console import KEYS_PAGE, WINDOW_END
 
 #: a key's class, as the index has it
-CLASS = "coalesce(ttl_seconds, 0)"
+CLASS = "coalesce(ttl_seconds, -1)"
+#: the class of the keys claimed by a release that recorded no TTL: their expiry is found
+#: through legacy_expiry_idx (on expires_at, for them alone)
+NO_TTL = "-1"
 
 # The classes in the table, smallest first: a loose scan of the index (each step the
 # next larger class, one index probe), ending with NULL.
@@ -63,9 +67,13 @@ CLASS_TTL = "ttl_class.ttl"
 
 #: the keys of a class whose expiry may be past: created at least its TTL ago (a TTL no
 #: release writes, negative, NaN or past the longest a setting may be, counts as 0: the
-#: whole class is walked, and ``expires_at`` decides)
+#: whole class is walked, and ``expires_at`` decides); the keys without a TTL are not
+#: walked (:func:`expired`)
 MAY_HAVE_EXPIRED = (
-    "created_at <= now() - make_interval(secs => CASE WHEN "
+    CLASS_TTL
+    + " <> "
+    + NO_TTL
+    + " AND created_at <= now() - make_interval(secs => CASE WHEN "
     + CLASS_TTL
     + f" BETWEEN 0 AND {MAX_SECONDS:.0f} THEN "
     + CLASS_TTL
@@ -97,6 +105,18 @@ def each_class(where: str, tail: str = "") -> str:
     )
 
 
+def expired(where: str = "true", batch: bool = False) -> str:
+    """A subquery of the keys whose expiry is past that *where* selects: each TTL class walked
+    up to now() - its TTL, and the keys without a TTL through their own expiry index. With
+    *batch*, the oldest ``%(batch)s`` of each, locked (skipping those locked already)."""
+    walk_tail = "ORDER BY created_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED" if batch else ""
+    lone_tail = "ORDER BY expires_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED" if batch else ""
+    past = "expires_at <= now() AND " + where
+    walked = each_class(MAY_HAVE_EXPIRED + " AND " + past, walk_tail)
+    without_ttl = f"SELECT * FROM {{table}} WHERE {CLASS} = {NO_TTL} AND {past} {lone_tail}"
+    return f"(SELECT * FROM {walked} AS walked UNION ALL SELECT * FROM ({without_ttl}) AS lone)"
+
+
 def _replaced(statement: str, pattern: str, by: str, name: str) -> str:
     """*statement* with every match of *pattern* replaced *by*; a statement of the other
     modules that no longer has what this module replaces is a mistake to see at import."""
@@ -117,9 +137,7 @@ _RECENT_BY_CLASS = (
     + " AS recent WHERE"
 )
 _EXPIRED = r"FROM \{table\} WHERE expires_at <= now\(\) AND"
-_EXPIRED_BY_CLASS = (
-    "FROM " + each_class(MAY_HAVE_EXPIRED + " AND expires_at <= now()") + " AS expired WHERE"
-)
+_EXPIRED_BY_CLASS = "FROM " + expired() + " AS expired WHERE"
 
 
 def _by_class(statement: str, name: str) -> str:
@@ -158,7 +176,8 @@ COUNT_ABANDONED_BY_CLASS = _replaced(  # each by its primary key, as MARK_ABANDO
 )
 OWNERS_OF_CLAIMS_BY_CLASS = _by_class(OWNERS_OF_CLAIMS, "OWNERS_OF_CLAIMS")
 
-_EXPIRED_KEYS = "status IN ('completed', 'retryable') AND expires_at <= now()"
+_FINISHED = "status IN ('completed', 'retryable')"
+_EXPIRED_KEYS = _FINISHED + " AND expires_at <= now()"
 
 # The cleaner's batch: each class's oldest expired keys, locked (and skipped if locked)
 # in the class's walk, up to the batch in all.
@@ -168,10 +187,7 @@ BURY_EXPIRED_BY_CLASS = _replaced(
     + re.escape(_EXPIRED_KEYS)
     + r"\s+LIMIT %\(batch\)s FOR UPDATE SKIP LOCKED",
     "SELECT tenant, key FROM "
-    + each_class(
-        MAY_HAVE_EXPIRED + " AND " + _EXPIRED_KEYS,
-        "ORDER BY created_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED",
-    )
+    + expired(_FINISHED, batch=True)
     + " AS expired\n    LIMIT %(batch)s",
     "BURY_EXPIRED",
 )
@@ -179,7 +195,7 @@ BURY_EXPIRED_BY_CLASS = _replaced(
 COUNT_EXPIRED_BY_CLASS = _replaced(
     COUNT_EXPIRED,
     r"FROM \{table\}\s+WHERE " + re.escape(_EXPIRED_KEYS),
-    "FROM " + each_class(MAY_HAVE_EXPIRED + " AND " + _EXPIRED_KEYS) + " AS expired",
+    "FROM " + expired(_FINISHED) + " AS expired",
     "COUNT_EXPIRED",
 )
 

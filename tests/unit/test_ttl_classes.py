@@ -1,5 +1,5 @@
 """The keys by time on plain PostgreSQL (issue 48): one timestamp index,
-``(coalesce(ttl_seconds, 0), created_at)``, walked one TTL class at a time by the cleaner,
+``(coalesce(ttl_seconds, -1), created_at)``, walked one TTL class at a time by the cleaner,
 the sweeps and the console (flask_idempotency.store.statements_by_class)."""
 
 from __future__ import annotations
