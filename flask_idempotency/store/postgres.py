@@ -197,10 +197,11 @@ class PostgresStore(Execution):
 
     @property
     def ttl_classes(self) -> bool:
-        """The keys table has ``ttl_created_idx`` (plain PostgreSQL): the statements that
-        find keys by time walk it one TTL class at a time (:mod:`.statements_by_class`);
-        else (Citus, or an upgraded table whose index is still being built) they read
-        ``expiry_idx`` and ``created_idx``. Known from the schema's last look."""
+        """The keys table has ``ttl_created_idx`` and ``legacy_expiry_idx`` (plain
+        PostgreSQL): the statements that find keys by time walk them one TTL class at a
+        time (:mod:`.statements_by_class`); else (Citus, or an upgraded table whose indexes
+        are still being built) they read ``expiry_idx`` and ``created_idx``. Known from the
+        schema's last look."""
         citus = self.citus  # looks at the schema if no check did: it learns both
         return not citus and bool(self.schema.ttl_classes)
 
