@@ -42,6 +42,7 @@ from .statements_citus import CLAIM as CLAIM_CITUS
 from .statements_citus import (
     CLAIM_CALL,
     CLAIM_NEW,
+    COMPLETE_CALL,
     FINISH_CITUS,
     LOCK_IS_MINE_CITUS,
     OWNER_FREE,
@@ -170,10 +171,17 @@ class PostgresStore(Execution):
         self._citus_forget = self.statement(FORGET, notify=sql.SQL("1"))
         self._citus_owner_free = self.statement(OWNER_FREE)
         function = self.schema.claim_function_name
+        complete = self.schema.complete_function_name
         #: the first look and a new key's claim in one delegated call (None: no function)
         self._citus_call = (
             self.statement(CLAIM_CALL, claim_function=function)
             if function is not None and settings.synchronous_claim
+            else None
+        )
+        #: the common finish in one delegated call (None: no function)
+        self._citus_complete = (
+            self.statement(COMPLETE_CALL, complete_function=complete)
+            if complete is not None
             else None
         )
         #: the background's owners statements on Citus, by their plain text (dead_owners)
@@ -501,7 +509,10 @@ class PostgresStore(Execution):
         }
         if jobs:
             params.update(job_params(jobs))
-        if self.citus:
+        delegated = self._citus_complete if self._delegated(status, jobs, pinned) else None
+        if delegated is not None:
+            statement = delegated
+        elif self.citus:
             statement = self._citus_finishes[status is KeyStatus.COMPLETED, bool(jobs)]
         else:
             statement = self._finishes[status is KeyStatus.COMPLETED, notify, bool(jobs)]
@@ -515,6 +526,20 @@ class PostgresStore(Execution):
                 _, row = self.run(self._finished, params)
                 return None if row is None else typing.cast(datetime, row[0])
             return None
+
+    def _delegated(
+        self, status: KeyStatus, jobs: Sequence[StagedJob], pinned: HeldTransaction | None
+    ) -> bool:
+        """On Citus, whether the finish is the common one sent as the delegated call: a
+        completed key without staged jobs, outside a transaction, once init made the
+        functions (inside a transaction Citus would run it where the request entered)."""
+        return (
+            self.citus
+            and status is KeyStatus.COMPLETED
+            and not jobs
+            and pinned is None
+            and self.schema.citus_claim
+        )
 
     @contextmanager
     def _kept_on_failure(

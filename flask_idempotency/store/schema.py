@@ -69,7 +69,7 @@ from .ddl import (
     UPGRADE_COLUMNS,
     UPGRADE_JOB_COLUMNS,
 )
-from .statements_citus import CLAIM_FUNCTION
+from .statements_citus import CLAIM_FUNCTION, COMPLETE_FUNCTION
 from .statements_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
 logger = logging.getLogger("flask_idempotency")
@@ -210,13 +210,16 @@ class Schema:
         }
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = f"{name}_finished"[:63]
-        #: on Citus, the new-key claim delegated to the shard's node (its name, quoted
-        #: as needed; None: a table name too long to add a suffix to)
-        function_name = f"{name}_claim_v1"
-        self._function_name = function_name if len(function_name) <= 63 else None
-        self.claim_function_name = (
-            sql.Identifier(*parts[:-1], function_name) if self._function_name else None
-        )
+        #: on Citus, the new-key claim and the common finish delegated to the shard's node
+        #: (their names, quoted as needed; None: a table name too long to add a suffix to).
+        #: _v2 runs on the shard itself; the _v1 claim of the release before is left alone.
+        function_name = f"{name}_claim_v2"
+        complete_name = f"{name}_complete_v2"
+        fits = len(complete_name) <= 63
+        self._function_name = function_name if fits else None
+        self._complete_name = complete_name if fits else None
+        self.claim_function_name = sql.Identifier(*parts[:-1], function_name) if fits else None
+        self.complete_function_name = sql.Identifier(*parts[:-1], complete_name) if fits else None
         #: on Citus: whether the claim function exists, as the last look said
         self.citus_claim = False
         #: the steps the last :meth:`create` ran on an existing table
@@ -615,22 +618,28 @@ class Schema:
         )
 
     def _add_claim_function(self, conn: psycopg.Connection[Any]) -> None:
-        """On Citus, the new-key claim as a function delegated to the shard's node
-        (statements_citus.CLAIM_FUNCTION), its tenant argument of the tenant column's
-        type, co-located with the keys."""
+        """On Citus, the common finish and then the new-key claim as functions delegated
+        to the shard's node (statements_citus.COMPLETE_FUNCTION and CLAIM_FUNCTION), their
+        tenant argument of the tenant column's type, co-located with the keys. The claim's
+        is made last: it is the one a look finds (CITUS_STATE), so both exist once it does."""
         table = self._regclass["table"]
         row = conn.execute(TENANT_TYPE, {"table": table}, prepare=False).fetchone()
         assert row is not None and self.claim_function_name is not None
-        create = sql.SQL(CLAIM_FUNCTION).format(
-            function=self.claim_function_name,
-            table=self.table,
-            tombstones=self.tombstones,
-            tenant_type=sql.SQL(row[0]),
+        made = (
+            (COMPLETE_FUNCTION, self.complete_function_name, self._complete_name),
+            (CLAIM_FUNCTION, self.claim_function_name, self._function_name),
         )
-        conn.execute(create, prepare=False)
-        params = {"function": self._function_name, "table": table}
-        conn.execute(DISTRIBUTE_FUNCTION, params, prepare=False)
-        logger.info("created the claim function of table %s on Citus", self.name)
+        for text, function, name in made:
+            create = sql.SQL(text).format(
+                function=function,
+                table_name=sql.Literal(self._regclass["table"]),
+                tombstones_name=sql.Literal(self._regclass["tombstones"]),
+                tenant_type=sql.SQL(row[0]),
+            )
+            conn.execute(create, prepare=False)
+            params = {"function": name, "table": table}
+            conn.execute(DISTRIBUTE_FUNCTION, params, prepare=False)
+        logger.info("created the claim and finish functions of table %s on Citus", self.name)
 
     def _lacks_jobs(self, state: SchemaState) -> bool:
         return bool({self._regclass["jobs"], self._regclass["jobs_index"]} & state.missing)

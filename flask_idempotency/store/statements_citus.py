@@ -99,6 +99,8 @@ __all__ = [
     "CLAIM_CALL",
     "CLAIM_FIRST",
     "CLAIM_FUNCTION",
+    "COMPLETE_CALL",
+    "COMPLETE_FUNCTION",
     "CLAIM_NEW",
     "LOCK_IS_MINE_CITUS",
     "OWNER_FREE",
@@ -220,16 +222,99 @@ LEFT JOIN buried ON true
 """
 )
 
+# Where a delegated function's statements run (SPEC §22): the shard itself when it is on this
+# node, else the distributed tables. Citus plans a statement on a distributed table anew at
+# every execution, even one on a local shard (it deparses the shard's query, parses it back
+# and plans it: about 0.25 ms of the node's CPU each, measured on Citus 14.0.1); the shard's
+# own table costs what one PostgreSQL's does. Writing a shard directly is safe under the lock
+# every Citus write takes on the shard's metadata (lock_shard_metadata, ShareLock): a shard
+# move or split blocks writes by taking it exclusively, so it waits for this call to end, and
+# this call, once it has the lock, finds the shard where the metadata says it is now: moved
+# away, the statements go through the distributed tables. lock_shard_metadata is the table
+# owner's (Citus's check): a role that does not own the table goes through them too.
+#
+# Each statement is prepared once per session and relation (a dynamic statement would be
+# parsed and planned at every call, 0.06-0.13 ms each), under a name of the table's oid, the
+# shard (0: the distributed table), this text's version and the statement; a session that
+# lost them (DISCARD ALL) prepares them again. Sets ``named`` from ``p_tenant``.
+_WHERE_TO_RUN = """
+    shard := get_shard_id_for_distribution_column({table_name}::regclass, p_tenant);
+    keys := {table_name};
+    graves := {tombstones_name};
+    named := format('idem2_%s_0_', {table_name}::regclass::oid);
+    IF pg_has_role((SELECT relowner FROM pg_class WHERE oid = {table_name}::regclass), 'USAGE')
+    THEN
+        PERFORM lock_shard_metadata(5, ARRAY[shard]);
+        IF EXISTS (SELECT FROM pg_dist_placement AS p
+                   WHERE p.shardid = shard
+                     AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)) THEN
+            keys := shard_name({table_name}::regclass, shard);
+            graves := shard_name({tombstones_name}::regclass,
+                get_shard_id_for_distribution_column({tombstones_name}::regclass, p_tenant));
+            named := format('idem2_%s_%s_', {table_name}::regclass::oid, shard);
+        END IF;
+    END IF;
+"""
+
+
+def _prepare(name: str, types: str, text: str) -> str:
+    """PL/pgSQL: PREPARE the statement *text* (its relations ``%1$s``, the keys, and
+    ``%2$s``, the tombstones) as ``named || name``."""
+    quoted = text.replace("'", "''")
+    return (
+        f"        EXECUTE format('PREPARE %3$I ({types}) AS {quoted}',\n"
+        f"                       keys, graves, named || '{name}');\n"
+    )
+
+
+# The claim's statements, by their name: the key's row, its tombstone, the new row.
+_SEEN = """SELECT k.status, k.fingerprint, k.attempt, k.response_status,
+           k.response_headers, k.response_body,
+           extract(epoch FROM k.expires_at - now()) AS expires_in, k.expires_at, k.updated_at,
+           k.status = 'retryable' AND k.expires_at <= now()
+               OR k.status = 'completed'
+                  AND k.expires_at <= now() - make_interval(secs => $3) AS expired,
+           k.status = 'completed' AND k.expires_at <= now() AS gone
+    FROM %1$s AS k WHERE k.tenant = $1 AND k.key = $2"""
+_BURIED = """SELECT b.fingerprint, b.first_status, b.completed_at, b.expired_at
+    FROM %2$s AS b
+    WHERE b.tenant = $1 AND b.key = $2 AND b.expired_at > now() - make_interval(secs => $3)"""
+_INSERT = (
+    """INSERT INTO %1$s AS k
+        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
+         request, request_body, on_abandoned, ttl_seconds, owner_id, owner_claim,
+         owner_host, owner_pid)
+    VALUES ($1, $2, $3, 'processing', 1, (extract(epoch FROM now()) * 1000000)::bigint,
+            now() + make_interval(secs => $4), now() + make_interval(secs => $5 + """
+    + str(FINISH_GRACE_SECONDS)
+    + """),
+            $6, $7, $8, $5, $9, (extract(epoch FROM now()) * 1000000)::bigint + 1, $10, $11)
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING k.attempt, k.generation, k.recovery_point"""
+)
+# statements_request.COMPLETE, its RETURNING as Citus runs it
+_COMPLETE = """UPDATE %1$s
+    SET status = 'completed',
+        updated_at = now(),
+        expires_at = greatest(expires_at, now() + make_interval(secs => $5)),
+        response_status = $6,
+        response_headers = $7,
+        response_body = $8,
+        request = NULL, request_body = NULL, reconcile_due_at = NULL
+    WHERE tenant = $1 AND key = $2 AND attempt = $3 AND generation = $4
+      AND status <> 'completed'
+    RETURNING 1, expires_at"""
+
 # The first look and a new key's claim in one call, delegated by Citus to the shard's node
 # (create_distributed_function, by the tenant, co-located with the keys: schema's "claim
-# function on Citus" step): its statements run there, planned once per session and cached,
-# each a fast-path query on the local shard. CLAIM_FIRST's decisions, in order: a key with a
-# row is answered as CLAIM_FIRST answers it (no decision: the caller sends CLAIM); a
-# tombstone is a mismatch or expired; a stale request expired; else the key's advisory lock
-# (not granted: no decision) and the new row (a twin's row there: 'claimed' without an
-# attempt, in progress). Used outside a transaction only (a claim in autocommit): inside
-# one, Citus would run the function on the node the request entered at. Measured on the test
-# cluster, one client: 1.03 ms of cluster CPU where the first look and the INSERT take 1.95.
+# function on Citus" step), its statements on the shard itself (_WHERE_TO_RUN).
+# CLAIM_FIRST's decisions, in order: a key with a row is answered as CLAIM_FIRST answers it
+# (no decision: the caller sends CLAIM); a tombstone is a mismatch or expired; a stale
+# request expired; else the key's advisory lock (not granted: no decision) and the new row
+# (a twin's row there: 'claimed' without an attempt, in progress). Used outside a
+# transaction only (a claim in autocommit): inside one, Citus would run the function on the
+# node the request entered at. The _v1 function of the release before (the same decisions,
+# through the distributed tables) is left to the processes of that release that call it.
 CLAIM_FUNCTION = (
     """
 CREATE OR REPLACE FUNCTION {function}(
@@ -246,18 +331,27 @@ LANGUAGE plpgsql AS $claim$
 DECLARE
     seen record;
     buried record;
+    shard bigint;
+    keys text;
+    graves text;
+    named text;
 BEGIN
-    marked := 0;
-    SELECT k.status, k.fingerprint, k.attempt, k.response_status, k.response_headers,
-           k.response_body, extract(epoch FROM k.expires_at - now()) AS expires_in,
-           k.expires_at, k.updated_at,
-           k.status = 'retryable' AND k.expires_at <= now()
-               OR k.status = 'completed'
-                  AND k.expires_at <= now() - make_interval(secs => p_tombstone_ttl)
-               AS expired,
-           k.status = 'completed' AND k.expires_at <= now() AS gone
-    INTO seen FROM {table} AS k WHERE k.tenant = p_tenant AND k.key = p_key;
-    IF FOUND THEN
+    marked := 0;"""
+    + _WHERE_TO_RUN
+    + """    IF NOT EXISTS (SELECT FROM pg_prepared_statements AS s
+                   WHERE s.name = named || 'seen') THEN
+"""
+    + _prepare("seen", "{tenant_type}, text, float8", _SEEN)
+    + _prepare("buried", "{tenant_type}, text, float8", _BURIED)
+    + _prepare(
+        "insert",
+        "{tenant_type}, text, bytea, float8, float8, text, bytea, text, bigint, text, integer",
+        _INSERT,
+    )
+    + """    END IF;
+    EXECUTE format('EXECUTE %I(%L, %L, %L)', named || 'seen', p_tenant, p_key, p_tombstone_ttl)
+    INTO seen;
+    IF seen.status IS NOT NULL THEN
         decision := CASE WHEN seen.expired THEN NULL
                          WHEN seen.fingerprint <> p_fingerprint THEN 'mismatch'
                          WHEN seen.gone THEN 'expired'
@@ -273,11 +367,10 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    SELECT b.fingerprint, b.first_status, b.completed_at, b.expired_at
-    INTO buried FROM {tombstones} AS b
-    WHERE b.tenant = p_tenant AND b.key = p_key
-      AND b.expired_at > now() - make_interval(secs => p_tombstone_ttl);
-    IF FOUND THEN
+    EXECUTE format('EXECUTE %I(%L, %L, %L)', named || 'buried', p_tenant, p_key,
+                   p_tombstone_ttl)
+    INTO buried;
+    IF buried.first_status IS NOT NULL THEN
         decision := CASE WHEN buried.fingerprint <> p_fingerprint THEN 'mismatch'
                          ELSE 'expired' END;
         response_status := buried.first_status;
@@ -295,25 +388,48 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    INSERT INTO {table} AS k
-        (tenant, key, fingerprint, status, attempt, generation, locked_until, expires_at,
-         request, request_body, on_abandoned, ttl_seconds, owner_id, owner_claim,
-         owner_host, owner_pid)
-    VALUES (p_tenant, p_key, p_fingerprint, 'processing', 1,
-            (extract(epoch FROM now()) * 1000000)::bigint,
-            now() + make_interval(secs => p_lease),
-            now() + make_interval(secs => p_ttl + """
-    + str(FINISH_GRACE_SECONDS)
-    + """),
-            p_request, p_request_body, p_on_abandoned, p_ttl, p_owner,
-            (extract(epoch FROM now()) * 1000000)::bigint + 1, p_owner_host, p_owner_pid)
-    ON CONFLICT (tenant, key) DO NOTHING
-    RETURNING k.attempt, k.generation, k.recovery_point
+    EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L)', named || 'insert',
+                   p_tenant, p_key, p_fingerprint, p_lease, p_ttl, p_request, p_request_body,
+                   p_on_abandoned, p_owner, p_owner_host, p_owner_pid)
     INTO attempt, generation, recovery_point;
     decision := 'claimed';
     RETURN NEXT;
 END
 $claim$
+"""
+)
+
+# The common finish, a completed key's (statements_request.COMPLETE, its RETURNING as
+# Citus runs it), in one call delegated like the claim's, on the shard itself: a row (1, the
+# key's expires_at) if the key changed, none if fenced. Used outside a transaction only.
+COMPLETE_FUNCTION = (
+    """
+CREATE OR REPLACE FUNCTION {function}(
+    p_tenant {tenant_type}, p_key text, p_attempt integer, p_generation bigint, p_ttl float8,
+    p_response_status smallint, p_response_headers jsonb, p_response_body bytea)
+RETURNS TABLE (changed integer, expires_at timestamptz)
+LANGUAGE plpgsql AS $complete$
+DECLARE
+    shard bigint;
+    keys text;
+    graves text;
+    named text;
+BEGIN"""
+    + _WHERE_TO_RUN
+    + """    IF NOT EXISTS (SELECT FROM pg_prepared_statements AS s
+                   WHERE s.name = named || 'complete') THEN
+"""
+    + _prepare(
+        "complete",
+        "{tenant_type}, text, integer, bigint, float8, smallint, jsonb, bytea",
+        _COMPLETE,
+    )
+    + """    END IF;
+    RETURN QUERY EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L)', named || 'complete',
+                                p_tenant, p_key, p_attempt, p_generation, p_ttl,
+                                p_response_status, p_response_headers, p_response_body);
+END
+$complete$
 """
 )
 
@@ -324,6 +440,13 @@ SELECT * FROM {claim_function}(
     %(tombstone_ttl)s::float8, %(lease)s::float8, %(ttl)s::float8, %(request)s::text,
     %(request_body)s::bytea, %(on_abandoned)s::text, %(owner)s::bigint,
     %(owner_host)s::text, %(owner_pid)s::integer)
+"""
+
+# The common finish's call: one round trip, one task on the shard's node.
+COMPLETE_CALL = """
+SELECT * FROM {complete_function}(
+    %(tenant)s, %(key)s, %(attempt)s::integer, %(generation)s::bigint, %(ttl)s::float8,
+    %(response_status)s::smallint, %(response_headers)s::jsonb, %(response_body)s::bytea)
 """
 
 # A new key: its row, unless a twin's is there already (then no row comes back, and the

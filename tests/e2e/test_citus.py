@@ -896,8 +896,8 @@ def test_the_claim_function_comes_with_the_upgrade(
 
     first = app_on(citus.url)
     assert init(first).exit_code == 0
-    function = names["IDEMPOTENCY_TABLE"] + "_claim_v1"
-    query(citus.url, f"DROP FUNCTION {function}")  # as a release before it left the table
+    for made in ("_claim_v2", "_complete_v2"):  # as a release before them left the table
+        query(citus.url, f"DROP FUNCTION {names['IDEMPOTENCY_TABLE']}{made}")
     old = app_on(citus.worker_urls[0])
     client = old.test_client()
     for n in range(200):

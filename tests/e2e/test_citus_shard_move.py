@@ -1,0 +1,141 @@
+"""The request path on the shard itself, through a shard move (SPEC §22): on Citus the claim
+and the common finish are functions delegated to the shard's node, whose statements run on
+the shard's own table when it is there (statements_citus._WHERE_TO_RUN), under the lock on
+the shard's metadata that every Citus write takes and that a move takes exclusively to block
+writes. Here a shard is moved (``citus_move_shard_placement``, non-blocking through logical
+replication, and blocking writes) while new keys of its tenant are claimed and finished,
+entering at the node the shard leaves: every key that answered ran its view once and is on
+the shard's new placement, each replays its stored answer afterwards, and a key that got no
+answer runs once when retried.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from flask import Flask, request
+
+from flask_idempotency import current_idempotency
+from flask_idempotency.testing.citus import CitusCluster
+from tests.e2e.test_citus import init, query, table_names
+
+#: claims sent before the move begins, and at least after it ended
+BEFORE, AFTER = 30, 30
+#: how long the load may run in all (the move of a small shard takes a few seconds)
+DEADLINE_SECONDS = 120.0
+
+
+def counting_app(
+    node_app: Callable[..., Flask], url: str, runs: Counter[str], **config: Any
+) -> Flask:
+    """An app on *url* whose ``POST /pay`` counts its runs by key; tenant from ``X-Tenant``."""
+    app = node_app(url, **config)
+    idempotency = app.extensions["idempotency"].extension
+    idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+    lock = threading.Lock()
+
+    @app.post("/pay")
+    @idempotency.idempotent
+    def pay() -> tuple[dict[str, str], int]:
+        with lock:
+            runs[current_idempotency.key] += 1
+        return {"paid": current_idempotency.key}, 201
+
+    return app
+
+
+def placement(url: str, table: str, tenant: str) -> tuple[int, int]:
+    """The shard of *tenant*'s keys and the port of the node that holds it."""
+    rows = query(
+        url,
+        "SELECT shardid, nodeport FROM citus_shards"
+        " WHERE table_name = %s::regclass"
+        "   AND shardid = get_shard_id_for_distribution_column(%s::regclass, %s::text)",
+        table,
+        table,
+        tenant,
+    )
+    assert len(rows) == 1, rows
+    return int(rows[0][0]), int(rows[0][1])
+
+
+@pytest.mark.parametrize("mode", ["force_logical", "block_writes"])
+def test_keys_claimed_through_a_shard_move_run_once_and_move_with_it(
+    citus: CitusCluster, node_app: Callable[..., Flask], mode: str
+) -> None:
+    names = table_names("m")
+    table, tenant = names["IDEMPOTENCY_TABLE"], f"tenant-{mode}"
+    runs: Counter[str] = Counter()
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    shard, source = placement(citus.url, table, tenant)
+    (target,) = [w.port for w in citus.workers if w.port != source]
+    source_url = next(w.url for w in citus.workers if w.port == source)
+    app = counting_app(node_app, source_url, runs, **names)
+
+    answers: dict[str, int] = {}
+    moved = threading.Event()
+    after_move = Counter[str]()
+    failures: list[BaseException] = []
+
+    def claim(worker: int) -> None:
+        client = app.test_client()
+        n = 0
+        try:
+            while time.monotonic() < deadline and (
+                not moved.is_set() or after_move[str(worker)] < AFTER
+            ):
+                key = f"{mode}-{worker}-{n}"
+                sent = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": tenant})
+                answers[key] = sent.status_code
+                if moved.is_set():
+                    after_move[str(worker)] += 1
+                n += 1
+        except BaseException as exc:  # reported by the test below
+            failures.append(exc)
+
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    threads = [threading.Thread(target=claim, args=(worker,)) for worker in range(2)]
+    for thread in threads:
+        thread.start()
+    while len(answers) < BEFORE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.extensions["idempotency"].store.schema.citus_claim  # the delegated functions
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
+            " shard_transfer_mode => %s::citus.shard_transfer_mode)",
+            (shard, source, target, mode),
+        )
+    moved.set()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_SECONDS)
+    assert not failures, failures
+    assert placement(citus.url, table, tenant) == (shard, target)
+    assert sum(after_move.values()) >= 2 * AFTER, after_move
+
+    # What answered 201 ran once, and its row moved with the shard; nothing ran twice.
+    answered = {key for key, status in answers.items() if status == 201}
+    assert len(answered) >= BEFORE + 2 * AFTER - 2, Counter(answers.values())
+    assert set(answers.values()) <= {201, 503}, Counter(answers.values())
+    assert max(runs.values()) == 1, [key for key, count in runs.items() if count > 1]
+    assert set(runs) == answered, set(runs) ^ answered
+    stored = query(
+        citus.url,
+        f"SELECT key FROM {table} WHERE tenant = %s AND status = 'completed'",
+        tenant,
+    )
+    assert {key for (key,) in stored} == answered
+
+    # Each replays its answer through the node the shard left; a key without one runs once.
+    client = app.test_client()
+    for key, status in answers.items():
+        again = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": tenant})
+        assert again.status_code == 201 and again.get_json() == {"paid": key}, key
+        assert (again.headers.get("Idempotent-Replayed") == "true") == (status == 201), key
+    assert max(runs.values()) == 1
