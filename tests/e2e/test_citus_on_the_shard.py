@@ -1,16 +1,21 @@
-"""The request path on the shard itself, through a shard move (SPEC §22): on Citus the claim
-and the common finish are functions delegated to the shard's node, whose statements run on
-the shard's own table when it is there (statements_citus._WHERE_TO_RUN), under the lock on
-the shard's metadata that every Citus write takes and that a move takes exclusively to block
-writes. Here a shard is moved (``citus_move_shard_placement``, non-blocking through logical
-replication, and blocking writes) while new keys of its tenant are claimed and finished,
-entering at the node the shard leaves: every key that answered ran its view once and is on
-the shard's new placement, each replays its stored answer afterwards, and a key that got no
-answer runs once when retried.
+"""The request path on the shard itself (SPEC §22): on Citus the claim and the common finish
+are functions delegated to the shard's node, whose statements run on the shard's own table
+when it is there (statements_citus._WHERE_TO_RUN), under the lock on the shard's metadata that
+every Citus write takes and that a shard move takes exclusively to block writes.
+
+- A shard is moved (``citus_move_shard_placement``, non-blocking through logical replication,
+  and blocking writes) while new keys of its tenant are claimed and finished, entering at the
+  node the shard leaves: every key that answered ran its view once and is on the shard's new
+  placement, each replays its stored answer afterwards, and a key that got no answer runs
+  once when retried. Without the lock and the placement check the moved shard loses keys.
+- A role that does not own the table (the lock is the owner's) claims through the
+  distributed tables.
+- A session that lost its prepared statements (``DISCARD ALL``) prepares them again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -139,3 +144,63 @@ def test_keys_claimed_through_a_shard_move_run_once_and_move_with_it(
         assert again.status_code == 201 and again.get_json() == {"paid": key}, key
         assert (again.headers.get("Idempotent-Replayed") == "true") == (status == 201), key
     assert max(runs.values()) == 1
+
+
+def test_a_role_that_does_not_own_the_table_claims_through_the_distributed_tables(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    """The shard's metadata lock is its table owner's (Citus's check): an app whose role was
+    granted the tables but does not own them claims, replays and is refused another body
+    through the same functions, on the distributed tables, never failing on that lock."""
+    names = table_names("r")
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    role = f"app_{names['IDEMPOTENCY_TABLE'][:9]}"
+    tables = ", ".join([*names.values(), f"{names['IDEMPOTENCY_TABLE']}_tombstones"])
+    query(citus.url, f"CREATE ROLE {role} LOGIN")
+    query(citus.url, f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {role}")
+    runs: Counter[str] = Counter()
+    entry = citus.worker_urls[0].replace("postgres@", f"{role}@", 1)
+    app = counting_app(node_app, entry, runs, **names)
+    client = app.test_client()
+    for n in range(20):
+        headers = {"Idempotency-Key": f"k{n}", "X-Tenant": f"t{n % 7}"}
+        first = client.post("/pay", headers=headers, json={"n": n})
+        assert first.status_code == 201, first.get_data(as_text=True)
+        again = client.post("/pay", headers=headers, json={"n": n})
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        other = client.post("/pay", headers=headers, json={"n": -n - 1})
+        assert other.status_code == 422, other.get_data(as_text=True)
+    assert app.extensions["idempotency"].store.schema.citus_claim
+    assert set(runs.values()) == {1} and len(runs) == 20
+
+
+def test_a_session_that_lost_its_prepared_statements_prepares_them_again(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    """The functions prepare their statements once per session (``DISCARD ALL``, a pooler's
+    reset, drops them): a call after it prepares them again, on the shard (entering at its
+    node) and off it (at the coordinator inside a transaction, where Citus does not delegate
+    the call: the distributed tables)."""
+    names = table_names("d")
+    table = names["IDEMPOTENCY_TABLE"]
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    shard, port = placement(citus.url, table, "t")
+    shard_url = next(w.url for w in citus.workers if w.port == port)
+    call = (
+        f"SELECT decision, attempt FROM {table}_claim_v2(%s, %s, '\\x01'::bytea, %s, false, 0,"
+        " 60, 86400, NULL, NULL, 'retry', NULL, NULL, NULL)"
+    )
+    prepared = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem2%%'"
+    for url, where, transaction in ((shard_url, f"_{shard}_", False), (citus.url, "_0_", True)):
+        with psycopg.connect(url, autocommit=True) as conn:
+            for n in range(3):
+                key = f"{where}{n}"
+                with conn.transaction() if transaction else contextlib.nullcontext():
+                    row = conn.execute(call, ("t", key, n)).fetchone()
+                    again = conn.execute(call, ("t", key, n)).fetchone()
+                assert row == ("claimed", 1), row
+                assert again is not None and again[0] is None  # in flight: the caller's CLAIM
+                names_now = [name for (name,) in conn.execute(prepared).fetchall()]
+                assert names_now and all(where in name for name in names_now), names_now
+                conn.execute("DISCARD ALL")
+                assert conn.execute(prepared).fetchall() == []
