@@ -204,3 +204,44 @@ def test_a_session_that_lost_its_prepared_statements_prepares_them_again(
                 assert names_now and all(where in name for name in names_now), names_now
                 conn.execute("DISCARD ALL")
                 assert conn.execute(prepared).fetchall() == []
+
+
+#: keys and tenants that a statement built by quoting would get wrong: quotes, backslashes,
+#: format() and parameter markers, SQL, a key of the longest length, non-ASCII tenants
+NASTY = [
+    ("t'1", "k');DROP_TABLE_x;--"),
+    ("t\\2", "k\\x01\\\\"),
+    ("%I%L%s", "%1$s%2$L"),
+    ("$1", "$1$2"),
+    ("tenant\u00e9\u00ff", "E'\\''"),
+    ("", "k" * 255),
+]
+
+
+@pytest.mark.parametrize("entry", ["shard", "other"])
+def test_hostile_keys_and_tenants_through_the_functions(
+    citus: CitusCluster, node_app: Callable[..., Flask], entry: str
+) -> None:
+    """Tenants and keys are passed to the functions' prepared statements as quoted literals
+    (%L): whatever they hold, each key is claimed once, stored as sent, replayed, and refused
+    another body, entering at a node with the shard and at one without it."""
+    names = table_names("h")
+    table = names["IDEMPOTENCY_TABLE"]
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    runs: Counter[str] = Counter()
+    for tenant, key in NASTY:
+        _, port = placement(citus.url, table, tenant)
+        url = next(w.url for w in citus.workers if (w.port == port) == (entry == "shard"))
+        app = counting_app(node_app, url, runs, **names)
+        client = app.test_client()
+        headers = {"Idempotency-Key": key, "X-Tenant": tenant}
+        first = client.post("/pay", headers=headers, json={"a": 1})
+        assert first.status_code == 201 and first.get_json() == {"paid": key}, first.get_json()
+        again = client.post("/pay", headers=headers, json={"a": 1})
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        other = client.post("/pay", headers=headers, json={"a": 2})
+        assert other.status_code == 422, other.get_json()
+        assert app.extensions["idempotency"].store.schema.citus_claim
+    stored = query(citus.url, f"SELECT tenant, key, status FROM {table}")
+    assert sorted(stored) == sorted((t, k, "completed") for t, k in NASTY)
+    assert set(runs.values()) == {1} and len(runs) == len(NASTY)
