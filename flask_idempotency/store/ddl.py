@@ -221,6 +221,13 @@ TENANT_TYPE = """
 SELECT format_type(atttypid, atttypmod) FROM pg_attribute
 WHERE attrelid = to_regclass(%(table)s) AND attname = 'tenant'
 """
+# A function Citus makes on every node, run where it is called (no distribution argument).
+PROPAGATE_FUNCTION = """
+SELECT create_distributed_function(p.oid::regprocedure)
+FROM pg_proc AS p
+WHERE p.proname = %(function)s
+  AND p.pronamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass(%(table)s))
+"""
 DISTRIBUTE_FUNCTION = """
 SELECT create_distributed_function(p.oid::regprocedure, 'p_tenant'::text,
                                    colocate_with => %(table)s::text)

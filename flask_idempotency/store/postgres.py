@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any
@@ -37,12 +37,15 @@ from .pool import bounded, is_connection_lost, store_errors
 from .records import job_params
 from .rows import claim_outcome
 from .sealing import refused, unreadable
+from .shard_hints import DirectStatements, Shard, ShardHints
 from .statement import Statement, execute
 from .statements_citus import CLAIM as CLAIM_CITUS
 from .statements_citus import (
     CLAIM_CALL,
     CLAIM_NEW,
     COMPLETE_CALL,
+    DIRECT_COMPLETE,
+    DIRECT_FIRST,
     FINISH_CITUS,
     LOCK_IS_MINE_CITUS,
     OWNER_FREE,
@@ -184,6 +187,8 @@ class PostgresStore(Execution):
             if complete is not None
             else None
         )
+        #: the tenants whose shard is on the node the connections enter at (shard_hints)
+        self._shards = ShardHints(self._direct_statements)
         #: the background's owners statements on Citus, by their plain text (dead_owners)
         self._citus_owners: dict[str, Statement] = {}
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
@@ -373,9 +378,14 @@ class PostgresStore(Execution):
         claim = self._citus_claim if pinned is None else self._citus_claim_pinned
         row = None
         if gone is None and pinned is None and self._citus_call and self.schema.citus_claim:
-            # the first look and a new key's row in one call, on the shard's node
-            _, called = self.run(self._citus_call, params)
-            row = None if called is None else (*called, False)
+            # the first look and a new key's row on the shard's tables, if it is on this
+            # node; else in one call, on the shard's node
+            row = self._claim_on_shard(params)
+            if row is None:
+                _, called = self.run(self._citus_call, params)
+                if called is not None:
+                    self._shards.learn(params["tenant"], *called[16:19])
+                row = None if called is None else (*called[:16], False)
         elif gone is None:  # the first look: a settled key answered, a new key's lock taken
             first = self._citus_first if pinned is None else self._citus_first_pinned
             _, row = self.run(first, params, pinned)
@@ -517,7 +527,11 @@ class PostgresStore(Execution):
         else:
             statement = self._finishes[status is KeyStatus.COMPLETED, notify, bool(jobs)]
         with self._kept_on_failure(statement, params, pinned):
-            rowcount, row = self.run(statement, params, pinned, commit=commit, patient=True)
+            row = self._complete_on_shard(params) if delegated is not None else None
+            if row is None:
+                rowcount, row = self.run(statement, params, pinned, commit=commit, patient=True)
+            else:
+                rowcount, row = (1, row) if row[1] is not None else (0, None)
             if rowcount == 1 and row is not None:
                 return typing.cast(datetime, row[1])
             if pinned is None and status is KeyStatus.COMPLETED:
@@ -540,6 +554,58 @@ class PostgresStore(Execution):
             and pinned is None
             and self.schema.citus_claim
         )
+
+    def _direct_statements(self, shard: Shard) -> DirectStatements:
+        """The statements of one PostgreSQL on *shard*'s tables (shard_hints)."""
+        parts = {
+            "shard_keys": sql.SQL(shard.keys),
+            "shard_graves": sql.SQL(shard.graves),
+            "here_function": self.schema.here_function_name or sql.SQL("false"),
+        }
+        return DirectStatements(
+            self.statement(DIRECT_FIRST, commit_mode=sql.SQL(""), **parts),
+            self.statement(DIRECT_COMPLETE, **parts),
+        )
+
+    def _on_shard(
+        self, params: dict[str, Any], pick: Callable[[DirectStatements], Statement]
+    ) -> tuple[Any, ...] | None:
+        """On Citus, the statement *pick* chooses, sent to the tenant's shard's tables when
+        the shard was on this node moments ago (shard_hints): its row, whose first column
+        says whether the shard was still here. None: not sent, or the shard was not here
+        (the tenant is forgotten, the caller goes through the functions); a twin's row
+        committed under a new key's first look, too (the function sees it)."""
+        tenant = params["tenant"]
+        found = self._shards.on_this_node(tenant)
+        if found is None:
+            return None
+        shard, statements = found
+        try:
+            _, row = self.run(pick(statements), {**params, "shard": shard.shard})
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, _NOT_HERE):
+                raise
+            row = None  # the shard's table is gone (moved and dropped), or is not ours
+        if row is None or not row[0]:
+            self._shards.forget(tenant)
+            return None
+        return row
+
+    def _claim_on_shard(self, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        """A claim's first look on the tenant's shard (DIRECT_FIRST), as the claim
+        function's row; None: not sent there, not there, or raced by a twin."""
+        try:
+            row = self._on_shard(params, lambda statements: statements.first)
+        except StoreError as exc:
+            if not raced(exc):
+                raise
+            return None
+        return None if row is None else (*row[1:], False)
+
+    def _complete_on_shard(self, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The common finish on the tenant's shard (DIRECT_COMPLETE): (here, expires_at or
+        None if fenced); None: not sent there, or not there."""
+        return self._on_shard(params, lambda statements: statements.complete)
 
     @contextmanager
     def _kept_on_failure(
@@ -680,6 +746,11 @@ def _fence(tenant: str, key: str, outcome: ClaimOutcome) -> dict[str, Any]:
         "attempt": outcome.attempt,
         "generation": outcome.generation,
     }
+
+
+#: a statement sent to a shard's table that is not on this node any more (moved, then
+#: dropped), or by a role that no longer owns the keys table (the shard's metadata lock)
+_NOT_HERE = (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege)
 
 
 def raced(exc: StoreError) -> bool:

@@ -58,6 +58,7 @@ from .ddl import (
     LOCK_TIMEOUT,
     MARK_UNKNOWN_DUE,
     PLAIN_ONLY_INDEXES,
+    PROPAGATE_FUNCTION,
     REFERENCE,
     RETIRED_INDEXES,
     SCHEMA_STATE,
@@ -69,7 +70,7 @@ from .ddl import (
     UPGRADE_COLUMNS,
     UPGRADE_JOB_COLUMNS,
 )
-from .statements_citus import CLAIM_FUNCTION, COMPLETE_FUNCTION
+from .statements_citus import CLAIM_FUNCTION, COMPLETE_FUNCTION, HERE_FUNCTION
 from .statements_console import AUDIT_SCHEMA, HEARTBEATS_SCHEMA
 
 logger = logging.getLogger("flask_idempotency")
@@ -218,8 +219,13 @@ class Schema:
         fits = len(complete_name) <= 63
         self._function_name = function_name if fits else None
         self._complete_name = complete_name if fits else None
+        self._here_name = f"{name}_here_v2" if fits else None
         self.claim_function_name = sql.Identifier(*parts[:-1], function_name) if fits else None
         self.complete_function_name = sql.Identifier(*parts[:-1], complete_name) if fits else None
+        #: whether a shard is on this node (HERE_FUNCTION), made on every node
+        self.here_function_name = (
+            sql.Identifier(*parts[:-1], self._here_name) if self._here_name else None
+        )
         #: on Citus: whether the claim function exists, as the last look said
         self.citus_claim = False
         #: the steps the last :meth:`create` ran on an existing table
@@ -625,6 +631,9 @@ class Schema:
         table = self._regclass["table"]
         row = conn.execute(TENANT_TYPE, {"table": table}, prepare=False).fetchone()
         assert row is not None and self.claim_function_name is not None
+        conn.execute(sql.SQL(HERE_FUNCTION).format(function=self.here_function_name))
+        params = {"function": self._here_name, "table": table}
+        conn.execute(PROPAGATE_FUNCTION, params, prepare=False)
         made = (
             (COMPLETE_FUNCTION, self.complete_function_name, self._complete_name),
             (CLAIM_FUNCTION, self.claim_function_name, self._function_name),

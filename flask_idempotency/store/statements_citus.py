@@ -53,7 +53,13 @@ from .statements_background import (
 )
 from .statements_console import KEY_DETAIL
 from .statements_request import CLAIM_FIRST as _PLAIN_FIRST
-from .statements_request import EXPIRY, FINISH, FINISH_GRACE_SECONDS, SETTLED_DECISIONS
+from .statements_request import (
+    COMPLETE,
+    EXPIRY,
+    FINISH,
+    FINISH_GRACE_SECONDS,
+    SETTLED_DECISIONS,
+)
 
 # statements_request.CLAIM_FIRST's reads (the key's row and its tombstone) are the first
 # look's here; what follows them there writes (the new key's INSERT), which Citus plans apart
@@ -101,6 +107,9 @@ __all__ = [
     "CLAIM_FUNCTION",
     "COMPLETE_CALL",
     "COMPLETE_FUNCTION",
+    "DIRECT_COMPLETE",
+    "DIRECT_FIRST",
+    "HERE_FUNCTION",
     "CLAIM_NEW",
     "LOCK_IS_MINE_CITUS",
     "OWNER_FREE",
@@ -252,6 +261,7 @@ _WHERE_TO_RUN = """
             graves := shard_name({tombstones_name}::regclass,
                 get_shard_id_for_distribution_column({tombstones_name}::regclass, p_tenant));
             named := format('idem2_%s_%s_', {table_name}::regclass::oid, shard);
+            direct := true;
         END IF;
     END IF;
 """
@@ -326,7 +336,8 @@ RETURNS TABLE (decision text, attempt integer, generation bigint, recovery_point
                marked bigint, status text, seen_attempt integer, response_status smallint,
                response_headers jsonb, response_body bytea, expires_in numeric,
                expires_at timestamptz, idle_for numeric, lease_left numeric,
-               free_owner bigint, updated_at timestamptz)
+               free_owner bigint, updated_at timestamptz, on_keys text, on_graves text,
+               on_shard bigint)
 LANGUAGE plpgsql AS $claim$
 DECLARE
     seen record;
@@ -335,10 +346,17 @@ DECLARE
     keys text;
     graves text;
     named text;
+    direct boolean := false;
 BEGIN
     marked := 0;"""
     + _WHERE_TO_RUN
-    + """    IF NOT EXISTS (SELECT FROM pg_prepared_statements AS s
+    + """    IF direct AND current_setting('application_name') NOT LIKE 'citus_internal%' THEN
+        -- on the caller's own node: it may send the next statements there itself
+        on_keys := keys;
+        on_graves := graves;
+        on_shard := shard;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_prepared_statements AS s
                    WHERE s.name = named || 'seen') THEN
 """
     + _prepare("seen", "{tenant_type}, text, float8", _SEEN)
@@ -414,6 +432,7 @@ DECLARE
     keys text;
     graves text;
     named text;
+    direct boolean := false;
 BEGIN"""
     + _WHERE_TO_RUN
     + """    IF NOT EXISTS (SELECT FROM pg_prepared_statements AS s
@@ -448,6 +467,55 @@ SELECT * FROM {complete_function}(
     %(tenant)s, %(key)s, %(attempt)s::integer, %(generation)s::bigint, %(ttl)s::float8,
     %(response_status)s::smallint, %(response_headers)s::jsonb, %(response_body)s::bytea)
 """
+
+# Whether the shard %(shard)s is on this node, under its metadata lock (the functions'
+# _WHERE_TO_RUN, alone): what a statement sent to a shard's table by the client itself
+# asks first. Made on every node (create_distributed_function without a distribution
+# argument: not delegated, run where it is called).
+HERE_FUNCTION = """
+CREATE OR REPLACE FUNCTION {function}(p_shard bigint) RETURNS boolean
+LANGUAGE plpgsql AS $here$
+BEGIN
+    PERFORM lock_shard_metadata(5, ARRAY[p_shard]);
+    RETURN EXISTS (SELECT FROM pg_dist_placement AS p
+                   WHERE p.shardid = p_shard
+                     AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l));
+END
+$here$
+"""
+
+# A tenant whose claim ran on the shard in the caller's own session (the claim function's
+# on_keys, on_graves, on_shard): its next requests on that connection's node send one
+# PostgreSQL's statements to the shard's tables themselves, the first of them asking
+# HERE_FUNCTION before anything is written (the lock held to the statement's end). Not
+# here (moved away): the row is discarded (its first column, ``here``, false) and the
+# caller goes through the functions. The plain CLAIM_FIRST: the key's row, its tombstone
+# and the new row.
+_HERE = "WITH here AS MATERIALIZED (SELECT {here_function}(%(shard)s::bigint) AS ok), seen AS ("
+DIRECT_FIRST = (
+    _PLAIN_FIRST.replace("WITH seen AS (", _HERE, 1)
+    .replace("{table}", "{shard_keys}")
+    .replace("{tombstones}", "{shard_graves}")
+    .replace(
+        "WHERE tenant = %(tenant)s AND key = %(key)s\n), buried",
+        "WHERE tenant = %(tenant)s AND key = %(key)s AND (SELECT ok FROM here)\n), buried",
+        1,
+    )
+    .replace(
+        "    WHERE CASE WHEN EXISTS", "    WHERE (SELECT ok FROM here) AND CASE WHEN EXISTS", 1
+    )
+    .replace("\nSELECT CASE WHEN claimed", "\nSELECT (SELECT ok FROM here), CASE WHEN claimed", 1)
+)
+# The common finish (statements_request.COMPLETE) on the shard's table: (here, the key's
+# expires_at: NULL if fenced).
+DIRECT_COMPLETE = (
+    _HERE.replace(", seen AS (", ", done AS (", 1)
+    + COMPLETE.replace("UPDATE {table}", "UPDATE {shard_keys}", 1)
+    .replace("{commit_mode}\n", "", 1)
+    .replace("AND status <> 'completed'\n", "AND status <> 'completed' AND (SELECT ok FROM here)\n")
+    .replace("RETURNING {notify}, expires_at\n", "RETURNING expires_at\n")
+    + ")\nSELECT here.ok, done.expires_at FROM here LEFT JOIN done ON true\n"
+)
 
 # A new key: its row, unless a twin's is there already (then no row comes back, and the
 # request is the twin's in-progress duplicate).

@@ -245,3 +245,42 @@ def test_hostile_keys_and_tenants_through_the_functions(
     stored = query(citus.url, f"SELECT tenant, key, status FROM {table}")
     assert sorted(stored) == sorted((t, k, "completed") for t, k in NASTY)
     assert set(runs.values()) == {1} and len(runs) == len(NASTY)
+
+
+def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
+    citus: CitusCluster, node_app: Callable[..., Flask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that entered at a shard's node sends that tenant's statements to the shard's
+    tables itself (shard_hints). The shard moves away and its old table is dropped at once
+    (``citus_cleanup_orphaned_resources``) while the process still takes it as there: its next
+    claim finds no table, forgets the tenant and goes through the functions, which answer
+    (a new key runs once, an earlier one replays)."""
+    monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
+    names = table_names("g")
+    table, tenant = names["IDEMPOTENCY_TABLE"], "gone"
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    shard, source = placement(citus.url, table, tenant)
+    (target,) = [w.port for w in citus.workers if w.port != source]
+    runs: Counter[str] = Counter()
+    app = counting_app(
+        node_app, next(w.url for w in citus.workers if w.port == source), runs, **names
+    )
+    client = app.test_client()
+    store = app.extensions["idempotency"].store
+    for n in range(3):  # the first learns the shard, the others are sent to its tables
+        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
+        assert sent.status_code == 201, sent.get_json()
+    assert store._shards.on_this_node(tenant) is not None
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
+            " shard_transfer_mode => 'block_writes')",
+            (shard, source, target),
+        )
+        conn.execute("CALL citus_cleanup_orphaned_resources()")
+    fresh = client.post("/pay", headers={"Idempotency-Key": "fresh", "X-Tenant": tenant})
+    assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
+    assert store._shards.on_this_node(tenant) is None  # forgotten: the functions now
+    replay = client.post("/pay", headers={"Idempotency-Key": "k1", "X-Tenant": tenant})
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert runs == Counter({"k0": 1, "k1": 1, "k2": 1, "fresh": 1})

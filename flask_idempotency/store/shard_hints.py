@@ -1,0 +1,86 @@
+"""On Citus (SPEC §22): the tenants whose keys shard is on the node this process's
+connections enter at, and the statements sent to that shard's tables directly.
+
+The claim function says, when it ran on the key's shard in the caller's own session, which
+shard that was (statements_citus.CLAIM_FUNCTION's ``on_keys``, ``on_graves``,
+``on_shard``). For a few seconds after, that tenant's claims and finishes are one
+PostgreSQL's statements on the shard's tables (statements_citus.DIRECT_FIRST and
+DIRECT_COMPLETE), each asking first, under the shard's metadata lock, whether the shard is
+still there; a "no" forgets the tenant, and the request goes through the functions. A hint
+is kept only :data:`HINT_SECONDS`: Citus drops a moved shard's old table some time after the
+move (``citus.defer_shard_delete_interval``, 15 s by default), and a hint must be asked (and
+forgotten) before then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from .statement import Statement
+
+#: how long a tenant's shard is taken as on this node after the claim function said so
+HINT_SECONDS = 5.0
+#: the most tenants remembered (the oldest are forgotten first)
+MAX_TENANTS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A shard of the keys table and its tombstones' shard, as Citus names their tables."""
+
+    keys: str
+    graves: str
+    shard: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectStatements:
+    """The statements one PostgreSQL would send, on a shard's tables."""
+
+    first: Statement
+    complete: Statement
+
+
+class ShardHints:
+    """Tenant -> the :class:`Shard` on this node, for :data:`HINT_SECONDS`; and the
+    :class:`DirectStatements` of each shard, rendered once by *render*."""
+
+    def __init__(self, render: Callable[[Shard], DirectStatements]) -> None:
+        self._render = render
+        self._tenants: dict[str, tuple[Shard, float]] = {}
+        self._statements: dict[Shard, DirectStatements] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, tenant: str, keys: str | None, graves: str | None, shard: int | None) -> None:
+        """The claim function ran on *tenant*'s shard in this process's session (or, all
+        None, did not)."""
+        if keys is None or graves is None or shard is None:
+            return
+        with self._lock:
+            self._tenants.pop(tenant, None)
+            self._tenants[tenant] = (Shard(keys, graves, shard), time.monotonic())
+            while len(self._tenants) > MAX_TENANTS:
+                del self._tenants[next(iter(self._tenants))]
+
+    def forget(self, tenant: str) -> None:
+        """*tenant*'s shard is not (or no longer) on this node."""
+        with self._lock:
+            self._tenants.pop(tenant, None)
+
+    def on_this_node(self, tenant: str) -> tuple[Shard, DirectStatements] | None:
+        """*tenant*'s shard and its statements, if it was here moments ago."""
+        with self._lock:
+            found = self._tenants.get(tenant)
+            if found is None:
+                return None
+            shard, learned = found
+            if time.monotonic() - learned > HINT_SECONDS:
+                del self._tenants[tenant]
+                return None
+            statements = self._statements.get(shard)
+            if statements is None:
+                statements = self._statements[shard] = self._render(shard)
+        return shard, statements
