@@ -383,7 +383,7 @@ class PostgresStore(Execution):
             row = self._claim_on_shard(params)
             if row is None:
                 _, called = self.run(self._citus_call, params)
-                if called is not None:
+                if called is not None and len(called) == 19:
                     self._shards.learn(params["tenant"], *called[16:19])
                 row = None if called is None else (*called[:16], False)
         elif gone is None:  # the first look: a settled key answered, a new key's lock taken
@@ -568,7 +568,11 @@ class PostgresStore(Execution):
         )
 
     def _on_shard(
-        self, params: dict[str, Any], pick: Callable[[DirectStatements], Statement]
+        self,
+        params: dict[str, Any],
+        pick: Callable[[DirectStatements], Statement],
+        *,
+        patient: bool = False,
     ) -> tuple[Any, ...] | None:
         """On Citus, the statement *pick* chooses, sent to the tenant's shard's tables when
         the shard was on this node moments ago (shard_hints): its row, whose first column
@@ -581,7 +585,7 @@ class PostgresStore(Execution):
             return None
         shard, statements = found
         try:
-            _, row = self.run(pick(statements), {**params, "shard": shard.shard})
+            _, row = self.run(pick(statements), {**params, "shard": shard.shard}, patient=patient)
         except StoreError as exc:
             if not isinstance(exc.__cause__, _NOT_HERE):
                 raise
@@ -605,7 +609,7 @@ class PostgresStore(Execution):
     def _complete_on_shard(self, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """The common finish on the tenant's shard (DIRECT_COMPLETE): (here, expires_at or
         None if fenced); None: not sent there, or not there."""
-        return self._on_shard(params, lambda statements: statements.complete)
+        return self._on_shard(params, lambda statements: statements.complete, patient=True)
 
     @contextmanager
     def _kept_on_failure(
