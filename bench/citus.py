@@ -11,6 +11,9 @@ the clusters' starts, ~2 s each). In one run, for each of:
 - ``citus-2w-at-shards``: the same, each client's tenants those whose shard is on the
   worker it enters at (Citus executes their statements locally, no connection between
   nodes): what a client routed by tenant, or an app co-located with its shards, pays;
+- ``citus-2w-at-shards-warm``: the same with 500 tenants a worker, each claimed once by every
+  client before the measure: a long-running process routed by tenant, whose tenants'
+  shards it has learned (shard_hints: it sends their statements to the shards' tables);
 
 the keys table made by ``flask idempotency-init`` (distributed by tenant on Citus), then C
 client processes claim and finish new keys (random tenants: every shard) through the
@@ -70,20 +73,21 @@ def app_on(url: str) -> Flask:
     return app
 
 
-def client(url: str, seconds: float, start_at: float, tenants: list[str] | None = None) -> int:
+def client(
+    url: str, seconds: float, start_at: float, tenants: list[str] | None = None, warm: bool = False
+) -> int:
     """Claim and finish new keys on *url* until *seconds* after *start_at* (tenants drawn
-    from *tenants*, else any of 10,000): how many."""
+    from *tenants*, else any of 10,000; *warm*: each of them claimed once first): how many."""
     app = app_on(url)
     state = app.extensions["idempotency"]
     store, terms = state.store, state.settings.route
     response = StoredResponse(201, [("Content-Type", "application/json")], BODY)
     prefix = uuid.uuid4().hex[:8]
-    # warm up: the pool's connection, the prepared statements
-    for i in range(20):
-        outcome = store.claim("warm", f"{prefix}-w{i}", b"\x01" * 32, terms)
-        store.finish(
-            "warm", f"{prefix}-w{i}", outcome, KeyStatus.COMPLETED, ttl=terms.ttl, response=response
-        )
+    # warm up: the pool's connection, the prepared statements (and every tenant, if warm)
+    for i, tenant in enumerate(["warm"] * 20 + (tenants if warm and tenants else [])):
+        key = f"{prefix}-w{i}"
+        outcome = store.claim(tenant, key, b"\x01" * 32, terms)
+        store.finish(tenant, key, outcome, KeyStatus.COMPLETED, ttl=terms.ttl, response=response)
     time.sleep(max(0.0, start_at - time.time()))
     deadline = start_at + seconds
     done = 0
@@ -104,10 +108,11 @@ def measure(
     clients: int,
     seconds: float,
     tenants: dict[str, list[str]] | None = None,
+    warm: bool = False,
 ) -> dict[str, Any]:
     """*clients* processes on the *entry* URLs (round robin) for *seconds*, each drawing its
-    tenants from *tenants* of its URL when given."""
-    start_at = time.time() + 2.0  # after every client's warm-up
+    tenants from *tenants* of its URL when given (*warm*: each claimed once first)."""
+    start_at = time.time() + (4.0 if warm else 2.0)  # after every client's warm-up
     with multiprocessing.get_context("spawn").Pool(clients) as pool:
         pending = [
             pool.apply_async(
@@ -117,6 +122,7 @@ def measure(
                     seconds,
                     start_at,
                     (tenants or {}).get(entry[n % len(entry)]),
+                    warm,
                 ),
             )
             for n in range(clients)
@@ -178,12 +184,20 @@ def main() -> None:
                 ("citus-2w", [two.url], _nodes(two)),
                 ("citus-2w-at-workers", two.worker_urls, _nodes(two)),
                 ("citus-2w-at-shards", two.worker_urls, _nodes(two)),
+                ("citus-2w-at-shards-warm", two.worker_urls, _nodes(two)),
             ]
             local = local_tenants(two)
             for round_ in range(args.rounds):
                 for name, entry, nodes in setups if round_ % 2 == 0 else reversed(setups):
-                    tenants = local if name == "citus-2w-at-shards" else None
-                    found = measure(name, entry, nodes, args.clients, args.seconds, tenants)
+                    warm = name == "citus-2w-at-shards-warm"
+                    tenants = (
+                        {url: mine[:500] for url, mine in local.items()}
+                        if warm
+                        else local
+                        if name == "citus-2w-at-shards"
+                        else None
+                    )
+                    found = measure(name, entry, nodes, args.clients, args.seconds, tenants, warm)
                     results.setdefault(name, []).append(found)
                     print(
                         f"round {round_ + 1} {name}: {found['keys_per_s']:.0f} keys/s, "

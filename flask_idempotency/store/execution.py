@@ -412,18 +412,19 @@ class Execution:
                 raise StoreError(NO_ADVISORY_LOCKS.format(server=server.server), outage=False)
             return self.schema.create(conn)
 
-    def _recoverable(self, exc: BaseException | None) -> bool:
+    def _recoverable(self, exc: BaseException | None, tables: bool = True) -> bool:
         """True if the statement that failed with *exc* never ran and can run again:
         a prepared statement a transaction pooler lost (the store switches to
-        unprepared statements), or a table dropped under a running app (the store
-        creates it again, with ``IDEMPOTENCY_CREATE_TABLE``)."""
+        unprepared statements), or, for a statement on the extension's *tables*, a table
+        dropped under a running app (the store creates it again, with
+        ``IDEMPOTENCY_CREATE_TABLE``)."""
         if exc is not None and is_prepared_statement_failure(exc):
             with self._lock:  # twins fail together: one switches, and says so once
                 switch, self._prepare = self._prepare is None, False
             if switch:
                 warn_unprepared(exc)
             return True
-        if isinstance(exc, errors.UndefinedTable) and self.settings.create_table:
+        if isinstance(exc, errors.UndefinedTable) and tables and self.settings.create_table:
             logger.warning("table %s is missing: creating it again", self.schema.name)
             self._schema_ready = False
             return True
@@ -441,6 +442,7 @@ class Execution:
         commit: bool = False,
         patient: bool = False,
         on_lost: Callable[[], None] | None = None,
+        tables: bool = True,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
         its first row, if any. With *commit*, *pinned*'s transaction commits in the
@@ -448,7 +450,8 @@ class Execution:
         that had no connection to give is asked again for the rest of the bound, where
         a request still deciding answers 503 after one pool wait. *on_lost* is called
         when a try's connection died under it (the statement may have run) before it is
-        sent again.
+        sent again. ``tables=False``: a missing table is not one of the extension's
+        (a Citus shard's, shard_hints), never made again.
 
         Every statement the package sends comes through here or :meth:`fetch`: the
         pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
@@ -460,7 +463,7 @@ class Execution:
         :raises StoreError: the store failed.
         """
         runner = functools.partial(execute, commit=True) if commit else execute
-        return self._attempt(runner, query, params, pinned, prepare, patient, on_lost)
+        return self._attempt(runner, query, params, pinned, prepare, patient, on_lost, tables)
 
     def fetch(
         self,
@@ -485,6 +488,7 @@ class Execution:
         prepare: bool | None,
         patient: bool = False,
         on_lost: Callable[[], None] | None = None,
+        tables: bool = True,
     ) -> _T:
         """Run *query*; on a pooled connection, again where that is known to be safe:
         once after a failure that ran nothing (:meth:`_recoverable`), and on another
@@ -504,7 +508,7 @@ class Execution:
             try:
                 return self._execute(runner, query, params, None, prepare, timeout)
             except StoreError as exc:
-                if not recovered and self._recoverable(exc.__cause__):
+                if not recovered and self._recoverable(exc.__cause__, tables):
                     recovered = True
                     continue
                 timeout = deadline - time.monotonic()

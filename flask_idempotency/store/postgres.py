@@ -585,7 +585,8 @@ class PostgresStore(Execution):
             return None
         shard, statements = found
         try:
-            _, row = self.run(pick(statements), {**params, "shard": shard.shard}, patient=patient)
+            shard_params = {**params, "shard": shard.shard}
+            _, row = self.run(pick(statements), shard_params, patient=patient, tables=False)
         except StoreError as exc:
             if not isinstance(exc.__cause__, _NOT_HERE):
                 raise

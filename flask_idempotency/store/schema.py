@@ -631,7 +631,12 @@ class Schema:
         table = self._regclass["table"]
         row = conn.execute(TENANT_TYPE, {"table": table}, prepare=False).fetchone()
         assert row is not None and self.claim_function_name is not None
-        conn.execute(sql.SQL(HERE_FUNCTION).format(function=self.here_function_name))
+        here = sql.SQL(HERE_FUNCTION).format(
+            function=self.here_function_name,
+            table_name=sql.Literal(self._regclass["table"]),
+            tenant_type=sql.SQL(row[0]),
+        )
+        conn.execute(here, prepare=False)
         params = {"function": self._here_name, "table": table}
         conn.execute(PROPAGATE_FUNCTION, params, prepare=False)
         made = (

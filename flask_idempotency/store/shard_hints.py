@@ -6,10 +6,9 @@ shard that was (statements_citus.CLAIM_FUNCTION's ``on_keys``, ``on_graves``,
 ``on_shard``). For a few seconds after, that tenant's claims and finishes are one
 PostgreSQL's statements on the shard's tables (statements_citus.DIRECT_FIRST and
 DIRECT_COMPLETE), each asking first, under the shard's metadata lock, whether the shard is
-still there; a "no" forgets the tenant, and the request goes through the functions. A hint
-is kept only :data:`HINT_SECONDS`: Citus drops a moved shard's old table some time after the
-move (``citus.defer_shard_delete_interval``, 15 s by default), and a hint must be asked (and
-forgotten) before then.
+still there; a "no" forgets the tenant, and the request goes through the functions, as does
+one that finds the shard's table gone (Citus drops a moved shard's old table some time after
+the move). A hint is kept :data:`HINT_SECONDS`, then learned again.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from .statement import Statement
 
 #: how long a tenant's shard is taken as on this node after the claim function said so
-HINT_SECONDS = 5.0
+HINT_SECONDS = 600.0
 #: the most tenants remembered (the oldest are forgotten first)
 MAX_TENANTS = 10_000
 

@@ -468,14 +468,18 @@ SELECT * FROM {complete_function}(
     %(response_status)s::smallint, %(response_headers)s::jsonb, %(response_body)s::bytea)
 """
 
-# Whether the shard %(shard)s is on this node, under its metadata lock (the functions'
-# _WHERE_TO_RUN, alone): what a statement sent to a shard's table by the client itself
-# asks first. Made on every node (create_distributed_function without a distribution
+# Whether the shard p_shard is on this node and is p_tenant's, under its metadata lock (the
+# functions' _WHERE_TO_RUN, alone): what a statement sent to a shard's table by the client
+# itself asks first. Made on every node (create_distributed_function without a distribution
 # argument: not delegated, run where it is called).
 HERE_FUNCTION = """
-CREATE OR REPLACE FUNCTION {function}(p_shard bigint) RETURNS boolean
+CREATE OR REPLACE FUNCTION {function}(p_shard bigint, p_tenant {tenant_type})
+RETURNS boolean
 LANGUAGE plpgsql AS $here$
 BEGIN
+    IF get_shard_id_for_distribution_column({table_name}::regclass, p_tenant) <> p_shard THEN
+        RETURN false;
+    END IF;
     PERFORM lock_shard_metadata(5, ARRAY[p_shard]);
     RETURN EXISTS (SELECT FROM pg_dist_placement AS p
                    WHERE p.shardid = p_shard
@@ -491,7 +495,10 @@ $here$
 # here (moved away): the row is discarded (its first column, ``here``, false) and the
 # caller goes through the functions. The plain CLAIM_FIRST: the key's row, its tombstone
 # and the new row.
-_HERE = "WITH here AS MATERIALIZED (SELECT {here_function}(%(shard)s::bigint) AS ok), seen AS ("
+_HERE = (
+    "WITH here AS MATERIALIZED (SELECT {here_function}(%(shard)s::bigint, %(tenant)s) AS ok),"
+    " seen AS ("
+)
 DIRECT_FIRST = (
     _PLAIN_FIRST.replace("WITH seen AS (", _HERE, 1)
     .replace("{table}", "{shard_keys}")
