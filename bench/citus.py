@@ -187,16 +187,13 @@ def main() -> None:
                 ("citus-2w-at-shards-warm", two.worker_urls, _nodes(two)),
             ]
             local = local_tenants(two)
+            tenants_of = {
+                "citus-2w-at-shards": local,
+                "citus-2w-at-shards-warm": {url: mine[:500] for url, mine in local.items()},
+            }
             for round_ in range(args.rounds):
                 for name, entry, nodes in setups if round_ % 2 == 0 else reversed(setups):
-                    warm = name == "citus-2w-at-shards-warm"
-                    tenants = (
-                        {url: mine[:500] for url, mine in local.items()}
-                        if warm
-                        else local
-                        if name == "citus-2w-at-shards"
-                        else None
-                    )
+                    tenants, warm = tenants_of.get(name), name.endswith("-warm")
                     found = measure(name, entry, nodes, args.clients, args.seconds, tenants, warm)
                     results.setdefault(name, []).append(found)
                     print(

@@ -383,7 +383,7 @@ class PostgresStore(Execution):
             row = self._claim_on_shard(params)
             if row is None:
                 _, called = self.run(self._citus_call, params)
-                if called is not None and len(called) == 19:
+                if called is not None:
                     self._shards.learn(params["tenant"], *called[16:19])
                 row = None if called is None else (*called[:16], False)
         elif gone is None:  # the first look: a settled key answered, a new key's lock taken

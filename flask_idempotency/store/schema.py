@@ -624,10 +624,11 @@ class Schema:
         )
 
     def _add_claim_function(self, conn: psycopg.Connection[Any]) -> None:
-        """On Citus, the common finish and then the new-key claim as functions delegated
-        to the shard's node (statements_citus.COMPLETE_FUNCTION and CLAIM_FUNCTION), their
-        tenant argument of the tenant column's type, co-located with the keys. The claim's
-        is made last: it is the one a look finds (CITUS_STATE), so both exist once it does."""
+        """On Citus, the shard's check (statements_citus.HERE_FUNCTION, on every node),
+        then the common finish and the new-key claim as functions delegated to the shard's
+        node (COMPLETE_FUNCTION and CLAIM_FUNCTION), their tenant argument of the tenant
+        column's type, co-located with the keys. The claim's is made last: it is the one a
+        look finds (CITUS_STATE), so all three exist once it does."""
         table = self._regclass["table"]
         row = conn.execute(TENANT_TYPE, {"table": table}, prepare=False).fetchone()
         assert row is not None and self.claim_function_name is not None
@@ -649,6 +650,7 @@ class Schema:
                 table_name=sql.Literal(self._regclass["table"]),
                 tombstones_name=sql.Literal(self._regclass["tombstones"]),
                 tenant_type=sql.SQL(row[0]),
+                here_function=self.here_function_name,
             )
             conn.execute(create, prepare=False)
             params = {"function": name, "table": table}

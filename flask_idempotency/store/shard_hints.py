@@ -3,12 +3,12 @@ connections enter at, and the statements sent to that shard's tables directly.
 
 The claim function says, when it ran on the key's shard in the caller's own session, which
 shard that was (statements_citus.CLAIM_FUNCTION's ``on_keys``, ``on_graves``,
-``on_shard``). For a few seconds after, that tenant's claims and finishes are one
+``on_shard``). For :data:`HINT_SECONDS` after, that tenant's claims and finishes are one
 PostgreSQL's statements on the shard's tables (statements_citus.DIRECT_FIRST and
 DIRECT_COMPLETE), each asking first, under the shard's metadata lock, whether the shard is
 still there; a "no" forgets the tenant, and the request goes through the functions, as does
 one that finds the shard's table gone (Citus drops a moved shard's old table some time after
-the move). A hint is kept :data:`HINT_SECONDS`, then learned again.
+the move). Then it is learned again.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ShardHints:
             self._tenants.pop(tenant, None)
 
     def on_this_node(self, tenant: str) -> tuple[Shard, DirectStatements] | None:
-        """*tenant*'s shard and its statements, if it was here moments ago."""
+        """*tenant*'s shard and its statements, if it was here within :data:`HINT_SECONDS`."""
         with self._lock:
             found = self._tenants.get(tenant)
             if found is None:

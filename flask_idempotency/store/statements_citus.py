@@ -240,7 +240,8 @@ LEFT JOIN buried ON true
 # move or split blocks writes by taking it exclusively, so it waits for this call to end, and
 # this call, once it has the lock, finds the shard where the metadata says it is now: moved
 # away, the statements go through the distributed tables. lock_shard_metadata is the table
-# owner's (Citus's check): a role that does not own the table goes through them too.
+# owner's (Citus's check): a role that does not own the table goes through them too. The
+# lock and the placement are HERE_FUNCTION's, which the client's own statements ask too.
 #
 # Each statement is prepared once per session and relation (a dynamic statement would be
 # parsed and planned at every call, 0.06-0.13 ms each), under a name of the table's oid, the
@@ -253,10 +254,7 @@ _WHERE_TO_RUN = """
     named := format('idem2_%s_0_', {table_name}::regclass::oid);
     IF pg_has_role((SELECT relowner FROM pg_class WHERE oid = {table_name}::regclass), 'USAGE')
     THEN
-        PERFORM lock_shard_metadata(5, ARRAY[shard]);
-        IF EXISTS (SELECT FROM pg_dist_placement AS p
-                   WHERE p.shardid = shard
-                     AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)) THEN
+        IF {here_function}(shard, p_tenant) THEN
             keys := shard_name({table_name}::regclass, shard);
             graves := shard_name({tombstones_name}::regclass,
                 get_shard_id_for_distribution_column({tombstones_name}::regclass, p_tenant));
