@@ -18,6 +18,12 @@ from __future__ import annotations
 # once; the columns of rare states, mostly NULL, last. 48 bytes less WAL per new key than
 # the 0.1.0 order (docs/performance-history.md). A table made by an earlier release keeps its
 # order (changing it is a rewrite): every statement names its columns.
+#
+# No CHECK constraint on ``status``: PostgreSQL reads a table's CHECK constraints back from
+# their stored text and plans them at every INSERT and UPDATE statement, 15-20 µs of the
+# server's time per claim and per finish (issue 48, docs/performance-history.md); every
+# status is written by the extension's own statements, from KeyStatus. An earlier release's
+# table loses it in the upgrade (STATUS_CHECK).
 TABLE = """
 CREATE TABLE IF NOT EXISTS {table} (
     generation bigint NOT NULL,
@@ -31,8 +37,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     ttl_seconds real,
     owner_pid integer,
     updated_at timestamptz NOT NULL DEFAULT now(),
-    status text NOT NULL
-        CHECK (status IN ('processing', 'completed', 'retryable', 'unknown')),
+    status text NOT NULL,
     response_status smallint,
     response_headers jsonb,
     response_body bytea,
@@ -180,8 +185,9 @@ LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 
 # What exists: missing objects (by their to_regclass name), the keys table's columns,
 # the jobs table's columns, the keys table's invalid indexes (a concurrent build that
-# failed), its storage parameters, and whether this role may change them (the table's
-# owner, or a member of its role).
+# failed), its storage parameters, whether this role may change them (the table's
+# owner, or a member of its role), whether the database has Citus, and the names of an
+# earlier release's CHECK constraints on status (STATUS_CHECK).
 SCHEMA_STATE = """
 SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclass(name) IS NULL),
        ARRAY(SELECT attname::text FROM pg_attribute
@@ -194,8 +200,20 @@ SELECT ARRAY(SELECT name FROM unnest(%(names)s::text[]) AS name WHERE to_regclas
        coalesce((SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(table)s)), '{}'),
        coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
                  WHERE oid = to_regclass(%(table)s)), false),
-       EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')
+       EXISTS (SELECT FROM pg_extension WHERE extname = 'citus'),
+       ARRAY(SELECT conname::text FROM pg_constraint
+             WHERE conrelid = to_regclass(%(table)s) AND contype = 'c'
+               AND pg_get_constraintdef(oid) = %(status_check)s)
 """
+
+#: the CHECK constraint on ``status`` of the tables made before 1.1, as PostgreSQL shows
+#: it (pg_get_constraintdef): the upgrade drops it (see TABLE); a constraint of the
+#: operator's own is left alone
+STATUS_CHECK = (
+    "CHECK ((status = ANY (ARRAY['processing'::text, 'completed'::text,"
+    " 'retryable'::text, 'unknown'::text])))"
+)
+DROP_CONSTRAINT = "ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {name}"
 
 # On a database with the citus extension (SPEC §22), asked after SCHEMA_STATE: whether
 # this node is the coordinator (only it creates distributed tables; queries and DML may

@@ -48,6 +48,7 @@ from .ddl import (
     CREATE_INDEX_CONCURRENTLY,
     DISTRIBUTE,
     DISTRIBUTE_FUNCTION,
+    DROP_CONSTRAINT,
     DROP_INDEX_CONCURRENTLY,
     INDEXES,
     JOBS_KEY,
@@ -63,6 +64,7 @@ from .ddl import (
     RETIRED_INDEXES,
     SCHEMA_STATE,
     SET_STORAGE,
+    STATUS_CHECK,
     STORAGE,
     TABLE,
     TENANT_TYPE,
@@ -130,6 +132,8 @@ class SchemaState:
     distributed: frozenset[str] = frozenset()
     #: on Citus: the claim function exists, delegated to the shard's node
     claim_function: bool = False
+    #: the names of an earlier release's CHECK constraints on status (ddl.STATUS_CHECK)
+    status_checks: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +264,7 @@ class Schema:
             ),
             Step("ordered jobs index", self._lacks_job_order, self._add_job_order, BUILD),
             Step("autovacuum settings", self._lacks_storage, self._set_storage, BUILD),
+            Step("no CHECK on status", self._has_status_check, self._drop_status_check, BUILD),
             *(
                 Step(f"index {index}", self._lacks_index(index), self._index_builder(index), BUILD)
                 for index in self.indexes
@@ -303,10 +308,11 @@ class Schema:
             "names": list(self._regclass.values()),
             "table": self._regclass["table"],
             "jobs": self._regclass["jobs"],
+            "status_check": STATUS_CHECK,
         }
         row = conn.execute(SCHEMA_STATE, params, prepare=False).fetchone()
         assert row is not None
-        missing, columns, job_columns, invalid, options, owned, citus = row
+        missing, columns, job_columns, invalid, options, owned, citus, status_checks = row
         self.citus = citus
         self.ttl_classes = not citus and all(
             self._regclass[index] not in missing and index not in invalid
@@ -335,6 +341,7 @@ class Schema:
             coordinator,
             frozenset(distributed),
             bool(claim_function),
+            frozenset(status_checks),
         )
 
     def present(self, conn: psycopg.Connection[Any]) -> bool:
@@ -521,6 +528,17 @@ class Schema:
         missing = self._missing_storage(self.state(conn))
         storage = _storage(missing)
         self._alter(conn, sql.SQL(SET_STORAGE).format(table=self.table, storage=storage))
+
+    def _has_status_check(self, state: SchemaState) -> bool:
+        # the owner's to drop, as the storage settings are theirs to set
+        return state.owned and bool(state.status_checks)
+
+    def _drop_status_check(self, conn: psycopg.Connection[Any]) -> None:
+        # ACCESS EXCLUSIVE for a moment (a catalog change, nothing is scanned), under a
+        # short lock timeout like ADD COLUMN; on Citus, propagated to the shards.
+        for name in sorted(self.state(conn).status_checks):
+            drop = sql.SQL(DROP_CONSTRAINT).format(table=self.table, name=sql.Identifier(name))
+            self._alter(conn, drop)
 
     def _alter(self, conn: psycopg.Connection[Any], alter: sql.Composed) -> None:
         """Run *alter* under a short lock timeout, trying again while a long

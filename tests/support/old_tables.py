@@ -89,6 +89,16 @@ def valid_indexes(db: DB, table: str) -> set[str]:
     return {r[0] for r in rows}
 
 
+def checks(db: DB, table: str) -> dict[str, str]:
+    """The table's CHECK constraints: name → definition."""
+    rows = db.execute(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint"
+        " WHERE conrelid = to_regclass(%s) AND contype = 'c'",
+        (table,),
+    ).fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
 def storage(db: DB, table: str) -> dict[str, str]:
     """The table's storage parameters (``ALTER TABLE ... SET``), by name."""
     row = db.execute(

@@ -20,6 +20,7 @@ from flask_idempotency.store.ddl import (
     CITUS_ONLY_INDEXES,
     PLAIN_INDEXES,
     RETIRED_INDEXES,
+    STATUS_CHECK,
     STORAGE,
     UPGRADE_COLUMNS,
     UPGRADE_JOB_COLUMNS,
@@ -30,6 +31,7 @@ from tests.support.old_tables import (
     ROWS,
     altering,
     app_on,
+    checks,
     columns,
     storage,
     valid_indexes,
@@ -42,6 +44,7 @@ def test_init_upgrades_a_populated_old_table_online(
     app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
     new_columns = {name for name, _ in UPGRADE_COLUMNS}
     assert not new_columns & columns(db, old_table)
+    assert list(checks(db, old_table).values()) == [STATUS_CHECK]
 
     # The old release keeps writing while the upgrade runs: its statements never wait long.
     stop = threading.Event()
@@ -87,6 +90,7 @@ def test_init_upgrades_a_populated_old_table_online(
     retired = [*RETIRED_INDEXES, *CITUS_ONLY_INDEXES]  # on plain PostgreSQL (issue 48)
     assert not {f"{old_table}_{suffix}" for suffix in retired} & indexes
     assert storage(db, old_table) == STORAGE
+    assert checks(db, old_table) == {}  # planned at every INSERT and UPDATE (issue 48)
     # The old unknown keys are due for the reconciler: unknown_due_idx finds them.
     assert unknown_keys_due(db, old_table) == (ROWS // 4, ROWS // 4)
     defaults = db.execute(
@@ -121,6 +125,7 @@ def test_the_first_request_upgrades_and_old_keys_still_replay(
     # the indexes are built in the background, while the requests were served
     assert app.extensions["idempotency"].store.wait_for_schema(60)
     assert {f"{old_table}_{suffix}" for suffix in PLAIN_INDEXES} <= valid_indexes(db, old_table)
+    assert checks(db, old_table) == {}
 
 
 def test_a_new_table_has_the_autovacuum_settings(make_app: Callable[..., Flask], db: DB) -> None:
@@ -133,6 +138,7 @@ def test_a_new_table_has_the_autovacuum_settings(make_app: Callable[..., Flask],
         "autovacuum_vacuum_threshold": "1000",
         "fillfactor": "90",
     }
+    assert checks(db, table) == {}
     db.execute(
         sql.SQL("DROP TABLE {}, {}").format(sql.Identifier(table), sql.Identifier(f"{table}_jobs"))
     )
@@ -153,6 +159,23 @@ def test_the_operators_own_autovacuum_settings_are_kept(
     again = app.test_cli_runner().invoke(args=["idempotency-init"])
     assert again.exit_code == 0 and "already exists" in again.output, again.output
     assert storage(db, old_table)["autovacuum_vacuum_scale_factor"] == "0.005"
+
+
+def test_the_operators_own_check_on_status_is_kept(
+    make_app: Callable[..., Flask], db: DB, old_table: str
+) -> None:
+    """Only the earlier release's CHECK goes; one the operator added stays, and holds."""
+    table = sql.Identifier(old_table)
+    db.execute(sql.SQL("ALTER TABLE {} ADD CONSTRAINT mine CHECK (status <> '')").format(table))
+    app = app_on(make_app, old_table, IDEMPOTENCY_CREATE_TABLE=False)
+    result = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert result.exit_code == 0, result.output
+    assert "no CHECK on status" in result.output
+    assert checks(db, old_table) == {"mine": "CHECK ((status <> ''::text))"}
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute(sql.SQL("UPDATE {} SET status = '' WHERE key = 'old-1'").format(table))
+    again = app.test_cli_runner().invoke(args=["idempotency-init"])
+    assert again.exit_code == 0 and "already exists" in again.output, again.output
 
 
 def test_the_upgrade_gives_way_to_a_long_transaction_instead_of_queueing_claims(
