@@ -468,17 +468,25 @@ SELECT * FROM {complete_function}(
 
 # Whether the shard p_shard is on this node and is p_tenant's, under its metadata lock (the
 # functions' _WHERE_TO_RUN, alone): what a statement sent to a shard's table by the client
-# itself asks first. Made on every node (create_distributed_function without a distribution
-# argument: not delegated, run where it is called).
+# itself asks first. A shard that is no longer the tenant's (split: a split or an isolation
+# makes new shards and removes the old one) answers false before its lock is asked for,
+# which Citus refuses for a shard it no longer knows. The lock is taken in an expression
+# (PL/pgSQL evaluates a simple expression without running a query, where PERFORM runs one);
+# the placement is then read by a query with a snapshot taken after the lock is held, so a
+# move that committed while this call waited is seen. Made on every node
+# (create_distributed_function without a distribution argument: not delegated, run where
+# it is called).
 HERE_FUNCTION = """
 CREATE OR REPLACE FUNCTION {function}(p_shard bigint, p_tenant {tenant_type})
 RETURNS boolean
 LANGUAGE plpgsql AS $here$
+DECLARE
+    locked boolean;
 BEGIN
     IF get_shard_id_for_distribution_column({table_name}::regclass, p_tenant) <> p_shard THEN
         RETURN false;
     END IF;
-    PERFORM lock_shard_metadata(5, ARRAY[p_shard]);
+    locked := lock_shard_metadata(5, ARRAY[p_shard]) IS NULL;
     RETURN EXISTS (SELECT FROM pg_dist_placement AS p
                    WHERE p.shardid = p_shard
                      AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l));

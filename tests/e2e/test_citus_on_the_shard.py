@@ -284,3 +284,53 @@ def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
     replay = client.post("/pay", headers={"Idempotency-Key": "k1", "X-Tenant": tenant})
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert runs == Counter({"k0": 1, "k1": 1, "k2": 1, "fresh": 1})
+
+
+def test_a_tenant_isolated_to_a_new_shard_goes_through_the_functions(
+    citus: CitusCluster, node_app: Callable[..., Flask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant is isolated to a shard of its own (``isolate_tenant_to_new_shard``: the
+    old shard split on the same node, its table left for the cleanup) while the process
+    still sends its statements to the old shard's tables. The check they ask first
+    (HERE_FUNCTION) finds the old shard no longer the tenant's, before asking Citus for the
+    lock of a shard it no longer knows (an error, which made this a 500 when the check was
+    left out): the process forgets the tenant and goes through the functions, which learn
+    the new shard. A new key runs once and is on it; earlier ones replay."""
+    monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
+    names = table_names("s")
+    table, tenant = names["IDEMPOTENCY_TABLE"], "split"
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    shard, port = placement(citus.url, table, tenant)
+    runs: Counter[str] = Counter()
+    app = counting_app(
+        node_app, next(w.url for w in citus.workers if w.port == port), runs, **names
+    )
+    client = app.test_client()
+    store = app.extensions["idempotency"].store
+    for n in range(3):  # the first learns the shard, the others are sent to its tables
+        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
+        assert sent.status_code == 201, sent.get_json()
+    assert store._shards.on_this_node(tenant) is not None
+    query(
+        citus.url,
+        "SELECT isolate_tenant_to_new_shard(%s, %s::text, 'CASCADE', 'block_writes')",
+        table,
+        tenant,
+    )
+    isolated, still = placement(citus.url, table, tenant)
+    assert isolated != shard and still == port
+    fresh = client.post("/pay", headers={"Idempotency-Key": "fresh", "X-Tenant": tenant})
+    assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
+    learned = store._shards.on_this_node(tenant)  # forgotten, and learned again
+    assert learned is not None and learned[0].shard == isolated
+    rows = query(citus.url, f"SELECT key, status FROM {table} WHERE tenant = %s", tenant)
+    assert sorted(rows) == [
+        ("fresh", "completed"),
+        ("k0", "completed"),
+        ("k1", "completed"),
+        ("k2", "completed"),
+    ]
+    for n in range(3):
+        replay = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
+        assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert runs == Counter({"k0": 1, "k1": 1, "k2": 1, "fresh": 1})
