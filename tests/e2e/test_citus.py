@@ -883,21 +883,49 @@ def test_a_new_key_takes_two_round_trips_and_a_replay_one(
         assert trips([f"{run}-{n}" for n in range(14)]) == 1  # the same keys: replays
 
 
+#: the CHECK on status of the keys tables of releases up to 1.0.0
+OLD_CHECK = "status IN ('processing', 'completed', 'retryable', 'unknown')"
+
+
+def status_checks(citus: CitusCluster, table: str) -> list[int]:
+    """On each node (the coordinator first), the CHECK constraints of the keys table (a
+    worker's shell of it) or of its shards there."""
+    counted = []
+    for url in (citus.url, *citus.worker_urls):
+        ((count,),) = query(
+            url,
+            "SELECT count(*) FROM pg_constraint WHERE contype = 'c'"
+            " AND conrelid::regclass::text ~ %s",
+            f"^{table}(_[0-9]+)?$",
+        )
+        counted.append(int(count))
+    return counted
+
+
 def test_the_claim_function_comes_with_the_upgrade(
     citus: CitusCluster, node_app: Callable[..., Flask], names: dict[str, str]
 ) -> None:
     """A populated table of a release before the claim function (made now, the function
     dropped): a process serves it with the plain statements; ``flask idempotency-init``
     adds the function (delegated: one task), and a process started after it claims through
-    it, the earlier keys replayed (SPEC §16)."""
+    it, the earlier keys replayed (SPEC §16); it drops the earlier release's CHECK on status,
+    on the distributed table and on every shard."""
 
     def app_on(url: str) -> Flask:
         return pay_app(node_app, url, **names)
 
+    table = names["IDEMPOTENCY_TABLE"]
     first = app_on(citus.url)
     assert init(first).exit_code == 0
     for made in ("_claim_v2", "_complete_v2"):  # as a release before them left the table
-        query(citus.url, f"DROP FUNCTION {names['IDEMPOTENCY_TABLE']}{made}")
+        query(citus.url, f"DROP FUNCTION {table}{made}")
+    query(citus.url, f"ALTER TABLE {table} ADD CONSTRAINT {table}_status_check CHECK ({OLD_CHECK})")
+    shards = query(
+        citus.url, "SELECT count(*) FROM citus_shards WHERE table_name = %s::regclass", table
+    )
+    before = status_checks(citus, table)
+    # the table on every node (the workers' shells of it) and every shard
+    assert before[0] == 1 and sum(before) == len(before) + shards[0][0], before
     old = app_on(citus.worker_urls[0])
     client = old.test_client()
     for n in range(200):
@@ -908,6 +936,8 @@ def test_the_claim_function_comes_with_the_upgrade(
     result = init(first)
     assert result.exit_code == 0, result.output
     assert "claim function on Citus" in result.output, result.output
+    assert "no CHECK on status" in result.output, result.output
+    assert status_checks(citus, table) == [0, 0, 0]
     new = app_on(citus.worker_urls[1])
     client = new.test_client()
     fresh = client.post("/pay", headers={"Idempotency-Key": "fresh", "X-Tenant": "t1"})
