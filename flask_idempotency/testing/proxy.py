@@ -9,7 +9,9 @@ says nothing; :meth:`TcpProxy.thaw` lets the held bytes through again.
 
 It also counts round trips (:attr:`TcpProxy.round_trips`): each time a client sends
 after its server last spoke (or first), so a pipeline of statements sent together is one;
-and the connections it forwarded (:attr:`TcpProxy.connections`).
+the statements clients sent (:attr:`TcpProxy.statements`: the protocol's Execute and
+simple Query messages, a pipeline's each); and the connections it forwarded
+(:attr:`TcpProxy.connections`).
 
 :meth:`TcpProxy.drop_answers` loses answers instead: the server has done its work and sent
 its answer, and the client sees its connection close without one.
@@ -78,9 +80,12 @@ class TcpProxy(Service):
         self._lock = threading.Lock()
         #: client sends that followed an answer (or came first), on every connection
         self.round_trips = 0
+        #: Execute and simple Query messages from clients, on every connection
+        self.statements = 0
         #: connections accepted and forwarded
         self.connections = 0
         self._client_spoke_last: dict[int, bool] = {}
+        self._messages: dict[int, FrontendMessages] = {}
         self._answers_to_drop = 0
         self._answers_to_pass = 0
 
@@ -211,11 +216,13 @@ class TcpProxy(Service):
             raise
         return upstream
 
-    def _count(self, pair: int, from_client: bool) -> None:
+    def _count(self, pair: int, from_client: bool, data: bytes) -> None:
         with self._lock:
             if from_client and not self._client_spoke_last.get(pair, False):
                 self.round_trips += 1
             self._client_spoke_last[pair] = from_client
+            if from_client:
+                self.statements += self._messages.setdefault(pair, FrontendMessages()).feed(data)
 
     def _pump(
         self, source: socket.socket, sink: socket.socket, pair: int, from_client: bool
@@ -234,7 +241,7 @@ class TcpProxy(Service):
                 break
             if not data or self._drops(pair, from_client):
                 break
-            self._count(pair, from_client)
+            self._count(pair, from_client, data)
             # Bytes read just before a freeze are held until the thaw too.
             while not self._flowing.wait(0.1):
                 if self._stopping.is_set():
@@ -248,3 +255,49 @@ class TcpProxy(Service):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class FrontendMessages:
+    """What a client sends on one connection, read as PostgreSQL's protocol: the untyped
+    requests before the startup message (SSL, GSS encryption), then typed messages
+    (a type byte, then a length that counts itself). :meth:`feed` says how many statements
+    the bytes finished sending: Execute (``E``) and simple Query (``Q``) messages."""
+
+    #: the startup message's protocol versions (3.0, 3.2): typed messages follow it
+    _STARTUP = (3 << 16, (3 << 16) | 2)
+    #: the requests that may come before it: cancel, SSL, GSS encryption
+    _REQUESTS = (80877102, 80877103, 80877104)
+
+    #: PostgreSQL's largest message
+    _LONGEST = 1 << 30
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._started = False
+        #: what came is not the protocol in the clear (TLS, or garbage): no more counting
+        self.lost = False
+
+    def feed(self, data: bytes) -> int:
+        if self.lost:
+            return 0
+        self._pending += data
+        statements = 0
+        while True:
+            header, code = (5 if self._started else 8), 0
+            if len(self._pending) < header:
+                return statements
+            if self._started:
+                kind, length = self._pending[:1], int.from_bytes(self._pending[1:5], "big") + 1
+            else:
+                kind, length = b"", int.from_bytes(self._pending[:4], "big")
+                code = int.from_bytes(self._pending[4:8], "big")
+                if code not in self._STARTUP + self._REQUESTS:
+                    length = 0  # TLS after an SSL request, or not PostgreSQL
+            if not header <= length <= self._LONGEST:
+                self.lost, self._pending = True, b""
+                return statements
+            if len(self._pending) < length:
+                return statements
+            self._started = self._started or code in self._STARTUP
+            statements += kind in (b"E", b"Q")
+            self._pending = self._pending[length:]

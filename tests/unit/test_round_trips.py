@@ -1,6 +1,7 @@
-"""Round trips per request, counted on the wire (a proxy between the app's store and
-PostgreSQL): a transactional view's ``BEGIN`` goes with its claim and its ``COMMIT``
-with its finish (libpq's pipeline mode), and what that must not change.
+"""Round trips and statements per request, counted on the wire (a proxy between the app's
+store and PostgreSQL): a transactional view's ``BEGIN`` goes with its claim and its
+``COMMIT`` with its finish (libpq's pipeline mode), and what that must not change. The
+statements are counted apart: one more sent in a pipeline adds no round trip.
 
 The test app's views record their executions on a direct connection, so the proxy
 sees the store's statements and, on ``/ledger``, the view's own INSERT."""
@@ -33,31 +34,34 @@ def client(app: Flask) -> FlaskClient:
 
 def per_request(
     client: FlaskClient, proxy: TcpProxy, path: str, key: Callable[[int], str]
-) -> float:
+) -> tuple[float, float]:
+    """(round trips, statements) per request."""
     for i in range(WARM_UP):
         assert post(client, path, key(i)).status_code == 201
-    before = proxy.round_trips
+    trips, statements = proxy.round_trips, proxy.statements
     for i in range(WARM_UP, WARM_UP + COUNTED):
         assert post(client, path, key(i)).status_code == 201
-    return (proxy.round_trips - before) / COUNTED
+    return (proxy.round_trips - trips) / COUNTED, (proxy.statements - statements) / COUNTED
 
 
 def test_a_new_key_takes_two_round_trips(client: FlaskClient, proxy: TcpProxy) -> None:
+    """The claim, the finish."""
     run = uuid.uuid4().hex
-    assert per_request(client, proxy, "/payments", lambda i: f"{run}-{i}") == 2
+    assert per_request(client, proxy, "/payments", lambda i: f"{run}-{i}") == (2, 2)
 
 
 def test_a_replay_takes_one_round_trip(client: FlaskClient, proxy: TcpProxy) -> None:
     key = uuid.uuid4().hex
-    assert per_request(client, proxy, "/payments", lambda i: key) == 1
+    assert per_request(client, proxy, "/payments", lambda i: key) == (1, 1)
 
 
 def test_a_transactional_new_key_takes_three_round_trips(
     client: FlaskClient, proxy: TcpProxy
 ) -> None:
-    """BEGIN with the claim, the view's INSERT, the finish with COMMIT (was five)."""
+    """BEGIN with the claim, the view's INSERT, the finish with COMMIT (was five): five
+    statements."""
     run = uuid.uuid4().hex
-    assert per_request(client, proxy, "/ledger", lambda i: f"{run}-{i}") == 3
+    assert per_request(client, proxy, "/ledger", lambda i: f"{run}-{i}") == (3, 5)
 
 
 def ledger_rows(db: DB, key: str) -> int:
