@@ -20,7 +20,7 @@ from __future__ import annotations
 # order (changing it is a rewrite): every statement names its columns.
 #
 # No CHECK constraint on ``status``: PostgreSQL reads a table's CHECK constraints back from
-# their stored text and plans them at every INSERT and UPDATE statement, 15-20 µs of the
+# their stored text and plans them at every INSERT and UPDATE statement, 8-20 µs of the
 # server's time per claim and per finish (issue 48, docs/performance-history.md); every
 # status is written by the extension's own statements, from KeyStatus. An earlier release's
 # table loses it in the upgrade (STATUS_CHECK).
