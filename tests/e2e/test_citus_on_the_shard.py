@@ -16,6 +16,7 @@ every Citus write takes and that a shard move takes exclusively to block writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -25,8 +26,10 @@ from typing import Any
 import psycopg
 import pytest
 from flask import Flask, request
+from flask.testing import FlaskClient
 
 from flask_idempotency import current_idempotency
+from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.testing.citus import CitusCluster
 from tests.e2e.test_citus import init, query, table_names
 
@@ -247,6 +250,39 @@ def test_hostile_keys_and_tenants_through_the_functions(
     assert set(runs.values()) == {1} and len(runs) == len(NASTY)
 
 
+@dataclasses.dataclass
+class Learned:
+    """A process at the node of *tenant*'s shard that has learned the shard: its first key
+    went through the functions, the next two were sent to the shard's tables."""
+
+    table: str
+    shard: int
+    port: int
+    runs: Counter[str]
+    client: FlaskClient
+    store: PostgresStore
+
+
+def learn_a_shard(
+    citus: CitusCluster, node_app: Callable[..., Flask], prefix: str, tenant: str
+) -> Learned:
+    names = table_names(prefix)
+    table = names["IDEMPOTENCY_TABLE"]
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    shard, port = placement(citus.url, table, tenant)
+    runs: Counter[str] = Counter()
+    app = counting_app(
+        node_app, next(w.url for w in citus.workers if w.port == port), runs, **names
+    )
+    client = app.test_client()
+    store = app.extensions["idempotency"].store
+    for n in range(3):
+        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
+        assert sent.status_code == 201, sent.get_json()
+    assert store._shards.on_this_node(tenant) is not None
+    return Learned(table, shard, port, runs, client, store)
+
+
 def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
     citus: CitusCluster, node_app: Callable[..., Flask], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,21 +292,11 @@ def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
     claim finds no table, forgets the tenant and goes through the functions, which answer
     (a new key runs once, an earlier one replays)."""
     monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
-    names = table_names("g")
-    table, tenant = names["IDEMPOTENCY_TABLE"], "gone"
-    assert init(node_app(citus.url, **names)).exit_code == 0
-    shard, source = placement(citus.url, table, tenant)
+    tenant = "gone"
+    process = learn_a_shard(citus, node_app, "g", tenant)
+    client, store, runs = process.client, process.store, process.runs
+    shard, source = process.shard, process.port
     (target,) = [w.port for w in citus.workers if w.port != source]
-    runs: Counter[str] = Counter()
-    app = counting_app(
-        node_app, next(w.url for w in citus.workers if w.port == source), runs, **names
-    )
-    client = app.test_client()
-    store = app.extensions["idempotency"].store
-    for n in range(3):  # the first learns the shard, the others are sent to its tables
-        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
-        assert sent.status_code == 201, sent.get_json()
-    assert store._shards.on_this_node(tenant) is not None
     with psycopg.connect(citus.url, autocommit=True) as conn:
         conn.execute(
             "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
@@ -297,20 +323,10 @@ def test_a_tenant_isolated_to_a_new_shard_goes_through_the_functions(
     left out): the process forgets the tenant and goes through the functions, which learn
     the new shard. A new key runs once and is on it; earlier ones replay."""
     monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
-    names = table_names("s")
-    table, tenant = names["IDEMPOTENCY_TABLE"], "split"
-    assert init(node_app(citus.url, **names)).exit_code == 0
-    shard, port = placement(citus.url, table, tenant)
-    runs: Counter[str] = Counter()
-    app = counting_app(
-        node_app, next(w.url for w in citus.workers if w.port == port), runs, **names
-    )
-    client = app.test_client()
-    store = app.extensions["idempotency"].store
-    for n in range(3):  # the first learns the shard, the others are sent to its tables
-        sent = client.post("/pay", headers={"Idempotency-Key": f"k{n}", "X-Tenant": tenant})
-        assert sent.status_code == 201, sent.get_json()
-    assert store._shards.on_this_node(tenant) is not None
+    tenant = "split"
+    process = learn_a_shard(citus, node_app, "s", tenant)
+    client, store, runs = process.client, process.store, process.runs
+    table, shard, port = process.table, process.shard, process.port
     query(
         citus.url,
         "SELECT isolate_tenant_to_new_shard(%s, %s::text, 'CASCADE', 'block_writes')",
