@@ -133,7 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also run idempotency-complete and idempotency-dispatch --loop 1 all along",
     )
-    soak.add_argument("--soak-plot", default="docs/soak.png", help="the PNG (repository-relative)")
+    soak.add_argument(
+        "--soak-plot", default="bench/out/soak.png", help="the PNG (repository-relative)"
+    )
     args = p.parse_args(argv)
     if args.soak_probe_ttl is None:
         args.soak_probe_ttl = args.soak_ttl

@@ -16,7 +16,8 @@
    ``flask idempotency-dispatch --loop 1``) run beside them all along.
 
 The figures go to ``bench/out/soak.json`` and ``soak.txt``, the plot (size and p99 over
-time) to ``--soak-plot`` (default ``docs/soak.png``).
+time) to ``--soak-plot`` (default ``bench/out/soak.png``; the plots on the history page
+are copies of such runs' plots).
 """
 
 from __future__ import annotations
