@@ -76,6 +76,8 @@ RELEASES = [
     # the last release with expiry_idx and created_idx on plain PostgreSQL (issue 48): while
     # it serves, its cleaner, sweeps and console read them; the new one builds ttl_created_idx
     OldRelease("5cf0171", "now()"),
+    # 1.0.0: the last release with the CHECK on status, which the new one drops
+    OldRelease("5c77fea", "now()"),
 ]
 
 #: keys put in the old release's table by SQL, before any process serves it
@@ -242,6 +244,7 @@ def new_layout(database_url: str) -> Layout:
         with psycopg.connect(url, autocommit=True) as conn:
             made = layout(conn)
     assert made.tables == frozenset(COMPANIONS), made.tables  # the upgrade must reach them
+    assert made.checks == frozenset(), made.checks
     return made
 
 
@@ -284,12 +287,13 @@ def store(
 
 @dataclass(frozen=True)
 class Layout:
-    """The keys table's valid indexes and its columns, and which of its companion tables
-    (:data:`COMPANIONS`) exist."""
+    """The keys table's valid indexes, its columns and its CHECK constraints (as PostgreSQL
+    shows them), and which of its companion tables (:data:`COMPANIONS`) exist."""
 
     indexes: frozenset[str]
     columns: frozenset[str]
     tables: frozenset[str] = frozenset()
+    checks: frozenset[str] = frozenset()
 
 
 #: the tables beside the keys table that a release may add (SPEC §24: the tombstones)
@@ -311,10 +315,16 @@ def layout(db: DB) -> Layout:
         "SELECT name FROM unnest(%s::text[]) AS name WHERE to_regclass(name) IS NOT NULL",
         (list(COMPANIONS),),
     ).fetchall()
+    checks = db.execute(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+        " WHERE conrelid = to_regclass(%s) AND contype = 'c'",
+        (TABLE,),
+    ).fetchall()
     return Layout(
         frozenset(r[0] for r in indexes),
         frozenset(r[0] for r in columns),
         frozenset(r[0] for r in tables),
+        frozenset(r[0] for r in checks),
     )
 
 
@@ -822,7 +832,8 @@ def check_indexes(db: DB, kept: frozenset[str], whose: str, when: str, findings:
 
 def upgraded(db: DB, new_layout: Layout) -> Callable[[], bool]:
     """Whether the table has every index (valid), column and companion table (the
-    tombstones, SPEC §24) of the new release's layout."""
+    tombstones, SPEC §24) of the new release's layout, and no CHECK it lacks (the CHECK on
+    status of releases up to 1.0.0, issue 48)."""
 
     def check() -> bool:
         now = layout(db)
@@ -830,6 +841,7 @@ def upgraded(db: DB, new_layout: Layout) -> Callable[[], bool]:
             new_layout.indexes <= now.indexes
             and new_layout.columns <= now.columns
             and new_layout.tables <= now.tables
+            and now.checks <= new_layout.checks
         )
 
     return check
