@@ -218,13 +218,17 @@ def test_a_waiting_twin_runs_as_the_first_once_the_key_is_left_unused(
     def send(name: str, **headers: str) -> None:
         answers[name] = post(app.test_client(), "/slow", key, {"amount": 7}, **headers)
 
+    # The listener up first: a twin that cannot start it within its bound (POOL_TIMEOUT, on
+    # a loaded machine) answers 409 at once instead of waiting, and this test is about the
+    # wait (a CI run failed so, with two other suites beside it).
+    waiter = app.extensions["idempotency"].waiter
+    wait_until(waiter._start)
     first = threading.Thread(target=send, args=("first",), kwargs={"X_Refuse": "1"})
     first.start()
     try:
         assert entered.wait(10)
         twin = threading.Thread(target=send, args=("twin",))
         twin.start()
-        waiter = app.extensions["idempotency"].waiter
         wait_until(lambda: bool(waiter._events))  # the twin waits for the key
         proceed.set()
         twin.join(15)
