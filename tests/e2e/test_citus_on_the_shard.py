@@ -284,14 +284,13 @@ def learn_a_shard(
 
 
 def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
-    citus: CitusCluster, node_app: Callable[..., Flask], monkeypatch: pytest.MonkeyPatch
+    citus: CitusCluster, node_app: Callable[..., Flask]
 ) -> None:
     """A process that entered at a shard's node sends that tenant's statements to the shard's
     tables itself (shard_hints). The shard moves away and its old table is dropped at once
     (``citus_cleanup_orphaned_resources``) while the process still takes it as there: its next
     claim finds no table, forgets the tenant and goes through the functions, which answer
     (a new key runs once, an earlier one replays)."""
-    monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
     tenant = "gone"
     process = learn_a_shard(citus, node_app, "g", tenant)
     client, store, runs = process.client, process.store, process.runs
@@ -313,7 +312,7 @@ def test_a_tenant_whose_shard_moved_and_was_dropped_goes_through_the_functions(
 
 
 def test_a_tenant_isolated_to_a_new_shard_goes_through_the_functions(
-    citus: CitusCluster, node_app: Callable[..., Flask], monkeypatch: pytest.MonkeyPatch
+    citus: CitusCluster, node_app: Callable[..., Flask]
 ) -> None:
     """The tenant is isolated to a shard of its own (``isolate_tenant_to_new_shard``: the
     old shard split on the same node, its table left for the cleanup) while the process
@@ -322,7 +321,6 @@ def test_a_tenant_isolated_to_a_new_shard_goes_through_the_functions(
     lock of a shard it no longer knows (an error, which made this a 500 when the check was
     left out): the process forgets the tenant and goes through the functions, which learn
     the new shard. A new key runs once and is on it; earlier ones replay."""
-    monkeypatch.setattr("flask_idempotency.store.shard_hints.HINT_SECONDS", 600.0)
     tenant = "split"
     process = learn_a_shard(citus, node_app, "s", tenant)
     client, store, runs = process.client, process.store, process.runs
