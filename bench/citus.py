@@ -14,6 +14,9 @@ the clusters' starts, ~2 s each). In one run, for each of:
 - ``citus-2w-at-shards-warm``: the same with 500 tenants a worker, each claimed once by every
   client before the measure: a long-running process routed by tenant, whose tenants'
   shards it has learned (shard_hints: it sends their statements to the shards' tables);
+- ``citus-2w-routed-warm``: the same 1,000 tenants, warmed the same way, with the clients
+  entering at the coordinator with ``IDEMPOTENCY_ROUTE_TO_SHARDS``: the process learns each
+  tenant's worker and sends its statements there itself (shard_nodes);
 
 the keys table made by ``flask idempotency-init`` (distributed by tenant on Citus), then C
 client processes claim and finish new keys (random tenants: every shard) through the
@@ -66,19 +69,29 @@ def node_cpu(datadir: Path) -> float:
     return total
 
 
-def app_on(url: str) -> Flask:
+def app_on(url: str, route: bool = False) -> Flask:
     app = Flask("bench_citus")
-    app.config.update(IDEMPOTENCY_DATABASE_URL=url, IDEMPOTENCY_CREATE_TABLE=False)
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URL=url,
+        IDEMPOTENCY_CREATE_TABLE=False,
+        IDEMPOTENCY_ROUTE_TO_SHARDS=route,
+    )
     Idempotency(app)
     return app
 
 
 def client(
-    url: str, seconds: float, start_at: float, tenants: list[str] | None = None, warm: bool = False
+    url: str,
+    seconds: float,
+    start_at: float,
+    tenants: list[str] | None = None,
+    warm: bool = False,
+    route: bool = False,
 ) -> int:
     """Claim and finish new keys on *url* until *seconds* after *start_at* (tenants drawn
-    from *tenants*, else any of 10,000; *warm*: each of them claimed once first): how many."""
-    app = app_on(url)
+    from *tenants*, else any of 10,000; *warm*: each of them claimed once first; *route*:
+    IDEMPOTENCY_ROUTE_TO_SHARDS): how many."""
+    app = app_on(url, route)
     state = app.extensions["idempotency"]
     store, terms = state.store, state.settings.route
     response = StoredResponse(201, [("Content-Type", "application/json")], BODY)
@@ -109,10 +122,14 @@ def measure(
     seconds: float,
     tenants: dict[str, list[str]] | None = None,
     warm: bool = False,
+    route: bool = False,
 ) -> dict[str, Any]:
     """*clients* processes on the *entry* URLs (round robin) for *seconds*, each drawing its
-    tenants from *tenants* of its URL when given (*warm*: each claimed once first)."""
-    start_at = time.time() + (4.0 if warm else 2.0)  # after every client's warm-up
+    tenants from *tenants* of its URL when given (*warm*: each claimed once first; *route*:
+    IDEMPOTENCY_ROUTE_TO_SHARDS)."""
+    # after every client's warm-up (a routed client learns its 1,000 tenants through the
+    # coordinator first)
+    start_at = time.time() + (12.0 if route else 6.0 if warm else 2.0)
     with multiprocessing.get_context("spawn").Pool(clients) as pool:
         pending = [
             pool.apply_async(
@@ -123,6 +140,7 @@ def measure(
                     start_at,
                     (tenants or {}).get(entry[n % len(entry)]),
                     warm,
+                    route,
                 ),
             )
             for n in range(clients)
@@ -185,16 +203,24 @@ def main() -> None:
                 ("citus-2w-at-workers", two.worker_urls, _nodes(two)),
                 ("citus-2w-at-shards", two.worker_urls, _nodes(two)),
                 ("citus-2w-at-shards-warm", two.worker_urls, _nodes(two)),
+                ("citus-2w-routed-warm", [two.url], _nodes(two)),
             ]
             local = local_tenants(two)
             tenants_of = {
                 "citus-2w-at-shards": local,
                 "citus-2w-at-shards-warm": {url: mine[:500] for url, mine in local.items()},
+                # the same tenants, through the coordinator
+                "citus-2w-routed-warm": {
+                    two.url: [tenant for mine in local.values() for tenant in mine[:500]]
+                },
             }
             for round_ in range(args.rounds):
                 for name, entry, nodes in setups if round_ % 2 == 0 else reversed(setups):
                     tenants, warm = tenants_of.get(name), name.endswith("-warm")
-                    found = measure(name, entry, nodes, args.clients, args.seconds, tenants, warm)
+                    route = "-routed" in name
+                    found = measure(
+                        name, entry, nodes, args.clients, args.seconds, tenants, warm, route
+                    )
                     results.setdefault(name, []).append(found)
                     print(
                         f"round {round_ + 1} {name}: {found['keys_per_s']:.0f} keys/s, "
@@ -218,7 +244,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         f" {os.cpu_count()} cores (clients and servers share them); medians"
     )
     base = statistics.median(r["keys_per_s"] for r in results["pg"])
-    print(f"{'setup':<22}{'keys/s':>8}{'vs pg':>7}  server CPU per key (µs): by node, total")
+    print(f"{'setup':<24}{'keys/s':>8}{'vs pg':>7}  server CPU per key (µs): by node, total")
     for name, runs in results.items():
         rate = statistics.median(r["keys_per_s"] for r in runs)
         cpu = {
@@ -226,7 +252,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
             for node in runs[0]["cpu_us_per_key"]
         }
         nodes = ", ".join(f"{node} {us:.0f}" for node, us in cpu.items())
-        print(f"{name:<22}{rate:>8.0f}{rate / base:>7.2f}  {nodes}; total {sum(cpu.values()):.0f}")
+        print(f"{name:<24}{rate:>8.0f}{rate / base:>7.2f}  {nodes}; total {sum(cpu.values()):.0f}")
 
 
 if __name__ == "__main__":

@@ -405,6 +405,11 @@ class Settings:
     #: ``transactional=True`` view's writes to it and the key's row commit on one node;
     #: unset: Citus's default co-location group for text columns (docs: "Citus")
     colocate_with: str | None = option(None, _table_or_none)
+    #: on Citus: a tenant's claims and common finishes go from the process straight to the
+    #: worker that holds its shard (the address the cluster's metadata gives, with the
+    #: store URL's other parameters), learned at the tenant's first request; off: through
+    #: the node the store's URL names (docs: "Citus", "Entering at the coordinator")
+    route_to_shards: bool = option(False, _bool)
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour
     reconcile_backoff: timedelta = option(5, _duration)

@@ -46,6 +46,7 @@ from .pool import (
 from .replication import NO_ADVISORY_LOCKS, REPLICATION, Replication, ReplicationCheck
 from .schema import Schema, SchemaBusy
 from .sealing import AtRest
+from .shard_nodes import ShardNodes
 from .statement import Rows, Statement, execute, fetch
 from .statements_background import FREE_OWNERS
 from .statements_request import DISOWN, HAND_BACK, RENEW
@@ -152,6 +153,12 @@ class Execution:
         #: the server's replication, asked at the first claim (SPEC §21)
         self.replication = ReplicationCheck(settings.require_sync_replication, self._replicas)
         self._replication = Statement(REPLICATION)
+        #: on Citus with IDEMPOTENCY_ROUTE_TO_SHARDS, the workers' pools (shard_nodes)
+        self.nodes = (
+            ShardNodes(settings.database_url, functools.partial(open_pool, settings))
+            if settings.route_to_shards and settings.database_url and pool is None
+            else None
+        )
 
     def render(self, query: str, **parts: sql.Composable) -> str:
         """*query* with ``{table}``, ``{jobs}``, ``{tombstones}`` (and any other *parts*)
@@ -272,14 +279,16 @@ class Execution:
         conninfo = self.pool.conninfo
         return conninfo() if callable(conninfo) else conninfo
 
-    def _checkout(self, timeout: float | None = None) -> psycopg.Connection[Any]:
-        """A connection from the pool (within *timeout*, else the pool's), once the
-        schema is there; StoreError if none comes."""
+    def _checkout(
+        self, timeout: float | None = None, via: ConnectionPool[Any] | None = None
+    ) -> psycopg.Connection[Any]:
+        """A connection from the pool, or from *via* (a worker's, shard_nodes), within
+        *timeout* (else the pool's), once the schema is there; StoreError if none comes."""
         pool = self.pool
         if not self._schema_ready and self.settings.create_table:
             self._ensure_schema(pool)
         with store_errors():
-            conn: psycopg.Connection[Any] = pool.getconn(timeout)
+            conn: psycopg.Connection[Any] = (via or pool).getconn(timeout)
         if self._prepare is False and self._given_pool is None:
             conn.prepare_threshold = None  # the view's statements too, when it gets conn
         return conn
@@ -307,6 +316,8 @@ class Execution:
         if owner is not None:
             owner.stop()
         self._owner = None
+        if self.nodes is not None:
+            self.nodes.close()
         builder, building = self._builder, self._building
         if builder is not None and builder.is_alive():
             self._builder_stop.set()
@@ -443,6 +454,7 @@ class Execution:
         patient: bool = False,
         on_lost: Callable[[], None] | None = None,
         tables: bool = True,
+        via: ConnectionPool[Any] | None = None,
     ) -> tuple[int, tuple[Any, ...] | None]:
         """Run one statement, on *pinned* or on a pooled connection: its row count and
         its first row, if any. With *commit*, *pinned*'s transaction commits in the
@@ -451,7 +463,8 @@ class Execution:
         a request still deciding answers 503 after one pool wait. *on_lost* is called
         when a try's connection died under it (the statement may have run) before it is
         sent again. ``tables=False``: a missing table is not one of the extension's
-        (a Citus shard's, shard_hints), never made again.
+        (a Citus shard's, shard_hints), never made again. *via*: a Citus worker's pool
+        (shard_nodes) instead of the store's.
 
         Every statement the package sends comes through here or :meth:`fetch`: the
         pool's timeout bounds the wait for a connection, ``IDEMPOTENCY_STATEMENT_TIMEOUT``
@@ -463,7 +476,7 @@ class Execution:
         :raises StoreError: the store failed.
         """
         runner = functools.partial(execute, commit=True) if commit else execute
-        return self._attempt(runner, query, params, pinned, prepare, patient, on_lost, tables)
+        return self._attempt(runner, query, params, pinned, prepare, patient, on_lost, tables, via)
 
     def fetch(
         self,
@@ -489,6 +502,7 @@ class Execution:
         patient: bool = False,
         on_lost: Callable[[], None] | None = None,
         tables: bool = True,
+        via: ConnectionPool[Any] | None = None,
     ) -> _T:
         """Run *query*; on a pooled connection, again where that is known to be safe:
         once after a failure that ran nothing (:meth:`_recoverable`), and on another
@@ -506,7 +520,7 @@ class Execution:
         timeout: float | None = None  # the first try: the pool's and the statement's own
         while True:
             try:
-                return self._execute(runner, query, params, None, prepare, timeout)
+                return self._execute(runner, query, params, None, prepare, timeout, via)
             except StoreError as exc:
                 if not recovered and self._recoverable(exc.__cause__, tables):
                     recovered = True
@@ -530,6 +544,7 @@ class Execution:
         pinned: HeldTransaction | None,
         prepare: bool | None,
         timeout: float | None = None,
+        via: ConnectionPool[Any] | None = None,
     ) -> _T:
         """Run *query* once; with *timeout* (a try after a lost connection), the statement
         takes at most that much longer than a moment, and the wait for a connection at
@@ -544,7 +559,7 @@ class Execution:
             wait = min(timeout, self.settings.pool_timeout)
         prepared = False if prepare is False else self._prepare
         # what _pooled and bounded() do, written out: every statement comes this way
-        conn = self._checkout(wait) if pinned is None else pinned.conn
+        conn = self._checkout(wait, via) if pinned is None else pinned.conn
         # None: a connection of a pool passed in by the app, left unbounded
         timed = conn if isinstance(conn, BoundedConnection) else None
         try:
@@ -562,7 +577,7 @@ class Execution:
             raise store_error(exc) from exc
         finally:
             if pinned is None:
-                self.pool.putconn(conn)
+                (via or self.pool).putconn(conn)
 
     # -- held transactions -------------------------------------------------------------
 

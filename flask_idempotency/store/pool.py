@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -100,10 +100,17 @@ def connection_parameters(settings: Settings) -> dict[str, Any]:
     return {name: value for name, value in wanted.items() if name not in in_url}
 
 
-def open_pool(settings: Settings) -> ConnectionPool[Any]:
-    """A new pool of :class:`BoundedConnection` s, opening in the background."""
+def open_pool(
+    settings: Settings,
+    conninfo: str | None = None,
+    configure: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> ConnectionPool[Any]:
+    """A new pool of :class:`BoundedConnection` s, opening in the background: to the
+    store's URL, or to *conninfo* (a Citus worker's, shard_nodes); *configure* is called
+    with each connection it made."""
     pool: ConnectionPool[Any] = ConnectionPool(
-        settings.database_url or "",
+        conninfo or settings.database_url or "",
+        configure=configure,
         connection_class=BoundedConnection,
         min_size=settings.pool_min_size,
         max_size=settings.pool_max_size,

@@ -50,6 +50,7 @@ from .statements_citus import (
     LOCK_IS_MINE_CITUS,
     OWNER_FREE,
     RENEW_CITUS,
+    SHARD_NODE,
     owners_since,
 )
 from .statements_citus import CLAIM_FIRST as CLAIM_FIRST_CITUS
@@ -189,6 +190,8 @@ class PostgresStore(Execution):
         )
         #: the tenants whose shard is on the node the connections enter at (shard_hints)
         self._shards = ShardHints(self._direct_statements)
+        #: a tenant's shard and the worker that holds it (IDEMPOTENCY_ROUTE_TO_SHARDS)
+        self._shard_node = Statement(SHARD_NODE)
         #: the background's owners statements on Citus, by their plain text (dead_owners)
         self._citus_owners: dict[str, Statement] = {}
         #: IDEMPOTENCY_TOMBSTONE_TTL in seconds, as the claims take it
@@ -385,6 +388,8 @@ class PostgresStore(Execution):
                 _, called = self.run(self._citus_call, params)
                 if called is not None:
                     self._shards.learn(params["tenant"], *called[16:19])
+                    if called[18] is None:  # delegated: run on another node
+                        self._learn_node(params["tenant"])
                 row = None if called is None else (*called[:16], False)
         elif gone is None:  # the first look: a settled key answered, a new key's lock taken
             first = self._citus_first if pinned is None else self._citus_first_pinned
@@ -584,10 +589,20 @@ class PostgresStore(Execution):
         if found is None:
             return None
         shard, statements = found
+        via = None
+        if shard.node is not None:  # routed (IDEMPOTENCY_ROUTE_TO_SHARDS)
+            via = None if self.nodes is None else self.nodes.pool(shard.node)
+            if via is None:  # its pool has not connected yet, or failed lately
+                return None
         try:
             shard_params = {**params, "shard": shard.shard}
-            _, row = self.run(pick(statements), shard_params, patient=patient, tables=False)
+            _, row = self.run(
+                pick(statements), shard_params, patient=patient, tables=False, via=via
+            )
         except StoreError as exc:
+            if via is not None and exc.outage and shard.node is not None and self.nodes:
+                self._shards.forget(tenant)
+                self.nodes.failed(shard.node, str(exc))
             if not isinstance(exc.__cause__, _NOT_HERE):
                 raise
             row = None  # the shard's table is gone (moved and dropped), or is not ours
@@ -595,6 +610,27 @@ class PostgresStore(Execution):
             self._shards.forget(tenant)
             return None
         return row
+
+    def _learn_node(self, tenant: str) -> None:
+        """With IDEMPOTENCY_ROUTE_TO_SHARDS, learn the worker that holds *tenant*'s shard
+        (SHARD_NODE), once per tenant: its next claims and common finishes are sent there
+        (:meth:`_on_shard`). A failure to learn it leaves the tenant to the functions: the
+        claim it follows stands."""
+        if self.nodes is None or self._shards.knows(tenant):
+            return
+        names = {
+            "tenant": tenant,
+            "keys_table": self.schema.regclass("table"),
+            "tombstones_table": self.schema.regclass("tombstones"),
+        }
+        try:
+            _, row = self.run(self._shard_node, names)
+        except StoreError as exc:
+            logger.debug("the shard of tenant %r was not learned: %s", tenant, exc)
+            return
+        if row is not None:
+            shard, keys, graves, host, port = row
+            self._shards.learn(tenant, keys, graves, shard, (host, port))
 
     def _claim_on_shard(self, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A claim's first look on the tenant's shard (DIRECT_FIRST), as the claim

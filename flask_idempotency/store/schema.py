@@ -302,6 +302,11 @@ class Schema:
 
     # -- looking -------------------------------------------------------------------
 
+    def regclass(self, part: str) -> str:
+        """The name of *part* (``table``, ``tombstones``, ...) as ``::regclass`` reads it:
+        every part quoted."""
+        return self._regclass[part]
+
     def state(self, conn: psycopg.Connection[Any]) -> SchemaState:
         """What exists now (one query)."""
         params: dict[str, Any] = {

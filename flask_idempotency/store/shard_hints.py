@@ -9,6 +9,11 @@ DIRECT_COMPLETE), each asking first, under the shard's metadata lock, whether th
 still there; a "no" forgets the tenant, and the request goes through the functions, as does
 one that finds the shard's table gone (Citus drops a moved shard's old table some time after
 the move). Then it is learned again.
+
+With ``IDEMPOTENCY_ROUTE_TO_SHARDS``, a tenant whose claim function ran elsewhere (delegated
+by the node the process entered at) is looked up in the cluster's metadata
+(statements_citus.SHARD_NODE), and its statements go to the worker that holds its shard,
+on that worker's pool (shard_nodes), asking the same question there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .shard_nodes import Node
 from .statement import Statement
 
 #: how long a tenant's shard is taken as on this node after the claim function said so
@@ -28,11 +34,13 @@ MAX_TENANTS = 10_000
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """A shard of the keys table and its tombstones' shard, as Citus names their tables."""
+    """A shard of the keys table and its tombstones' shard, as Citus names their tables,
+    and the worker that holds them (None: the node this process's connections enter at)."""
 
     keys: str
     graves: str
     shard: int
+    node: Node | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +61,28 @@ class ShardHints:
         self._statements: dict[Shard, DirectStatements] = {}
         self._lock = threading.Lock()
 
-    def learn(self, tenant: str, keys: str | None, graves: str | None, shard: int | None) -> None:
+    def learn(
+        self,
+        tenant: str,
+        keys: str | None,
+        graves: str | None,
+        shard: int | None,
+        node: Node | None = None,
+    ) -> None:
         """The claim function ran on *tenant*'s shard in this process's session (or, all
-        None, did not)."""
+        None, did not); or, with *node*, the shard is on that worker (shard_nodes)."""
         if keys is None or graves is None or shard is None:
             return
         with self._lock:
             self._tenants.pop(tenant, None)
-            self._tenants[tenant] = (Shard(keys, graves, shard), time.monotonic())
+            self._tenants[tenant] = (Shard(keys, graves, shard, node), time.monotonic())
             while len(self._tenants) > MAX_TENANTS:
                 del self._tenants[next(iter(self._tenants))]
+
+    def knows(self, tenant: str) -> bool:
+        """Whether *tenant*'s shard was learned (it may have been forgotten since)."""
+        with self._lock:
+            return tenant in self._tenants
 
     def forget(self, tenant: str) -> None:
         """*tenant*'s shard is not (or no longer) on this node."""

@@ -530,6 +530,27 @@ DIRECT_COMPLETE = (
     + ")\nSELECT here.ok, done.expires_at FROM here LEFT JOIN done ON true\n"
 )
 
+# IDEMPOTENCY_ROUTE_TO_SHARDS: a tenant's shard, its tables' names and the worker that holds
+# it (its active primary placement), read from the metadata of the node the request entered
+# at, for the process to send DIRECT_FIRST and DIRECT_COMPLETE to that worker itself: what
+# the claim function says of a shard on the caller's own node (on_shard, on_keys, on_graves),
+# asked once per tenant. No row: the role may not write the shard's tables itself (the same
+# check as the functions'), or the shard has no active primary placement. The values are
+# bound %(keys_table)s, %(tombstones_table)s: the tables' names as ``::regclass`` reads them.
+SHARD_NODE = """
+SELECT shard.id, shard_name(%(keys_table)s::regclass, shard.id),
+       shard_name(%(tombstones_table)s::regclass,
+                  get_shard_id_for_distribution_column(%(tombstones_table)s::regclass,
+                                                       %(tenant)s::text)),
+       n.nodename, n.nodeport
+FROM (SELECT get_shard_id_for_distribution_column(%(keys_table)s::regclass, %(tenant)s::text)
+             AS id) AS shard
+JOIN pg_dist_placement AS p ON p.shardid = shard.id
+JOIN pg_dist_node AS n ON n.groupid = p.groupid AND n.isactive AND n.noderole = 'primary'
+WHERE pg_has_role((SELECT relowner FROM pg_class WHERE oid = %(keys_table)s::regclass),
+                  'USAGE')
+"""
+
 # A new key: its row, unless a twin's is there already (then no row comes back, and the
 # request is the twin's in-progress duplicate).
 CLAIM_NEW = (

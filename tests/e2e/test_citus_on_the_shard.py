@@ -32,6 +32,7 @@ from flask_idempotency import current_idempotency
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.testing.citus import CitusCluster
 from tests.e2e.test_citus import init, query, table_names
+from tests.support.helpers import wait_until
 
 #: claims sent before the move begins, and at least after it ended
 BEFORE, AFTER = 30, 30
@@ -58,6 +59,13 @@ def counting_app(
     return app
 
 
+def routed_to(app: Flask, port: int) -> bool:
+    """Whether *app*'s process sends the statements of tenants on the worker at *port* to
+    that worker itself (IDEMPOTENCY_ROUTE_TO_SHARDS, its pool connected)."""
+    nodes = app.extensions["idempotency"].store.nodes
+    return nodes is not None and nodes.pool(("127.0.0.1", port)) is not None
+
+
 def placement(url: str, table: str, tenant: str) -> tuple[int, int]:
     """The shard of *tenant*'s keys and the port of the node that holds it."""
     rows = query(
@@ -73,18 +81,26 @@ def placement(url: str, table: str, tenant: str) -> tuple[int, int]:
     return int(rows[0][0]), int(rows[0][1])
 
 
-@pytest.mark.parametrize("mode", ["force_logical", "block_writes"])
+@pytest.mark.parametrize(
+    ("mode", "entry"),
+    [("force_logical", "source"), ("block_writes", "source"), ("force_logical", "routed")],
+)
 def test_keys_claimed_through_a_shard_move_run_once_and_move_with_it(
-    citus: CitusCluster, node_app: Callable[..., Flask], mode: str
+    citus: CitusCluster, node_app: Callable[..., Flask], mode: str, entry: str
 ) -> None:
+    """*entry*: at the node the shard leaves, or ``routed``: at the coordinator with
+    IDEMPOTENCY_ROUTE_TO_SHARDS (the process sends the tenant's statements to that node)."""
     names = table_names("m")
-    table, tenant = names["IDEMPOTENCY_TABLE"], f"tenant-{mode}"
+    table, tenant = names["IDEMPOTENCY_TABLE"], f"tenant-{mode}-{entry}"
     runs: Counter[str] = Counter()
     assert init(node_app(citus.url, **names)).exit_code == 0
     shard, source = placement(citus.url, table, tenant)
     (target,) = [w.port for w in citus.workers if w.port != source]
     source_url = next(w.url for w in citus.workers if w.port == source)
-    app = counting_app(node_app, source_url, runs, **names)
+    if entry == "routed":
+        app = counting_app(node_app, citus.url, runs, IDEMPOTENCY_ROUTE_TO_SHARDS=True, **names)
+    else:
+        app = counting_app(node_app, source_url, runs, **names)
 
     answers: dict[str, int] = {}
     moved = threading.Event()
@@ -98,7 +114,7 @@ def test_keys_claimed_through_a_shard_move_run_once_and_move_with_it(
             while time.monotonic() < deadline and (
                 not moved.is_set() or after_move[str(worker)] < AFTER
             ):
-                key = f"{mode}-{worker}-{n}"
+                key = f"{mode}-{entry}-{worker}-{n}"
                 sent = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": tenant})
                 answers[key] = sent.status_code
                 if moved.is_set():
@@ -114,6 +130,8 @@ def test_keys_claimed_through_a_shard_move_run_once_and_move_with_it(
     while len(answers) < BEFORE and time.monotonic() < deadline:
         time.sleep(0.05)
     assert app.extensions["idempotency"].store.schema.citus_claim  # the delegated functions
+    if entry == "routed":  # by now the tenant's statements go to the source worker itself
+        wait_until(lambda: routed_to(app, source))
     with psycopg.connect(citus.url, autocommit=True) as conn:
         conn.execute(
             "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"

@@ -1,0 +1,173 @@
+"""``IDEMPOTENCY_ROUTE_TO_SHARDS`` (SPEC §22): a process whose store URL names the
+coordinator sends a tenant's claims and common finishes to the worker that holds its shard.
+
+- Once the tenant's worker is learned (its first request) and its pool has connected, the
+  tenant's new keys, replays and refusals send nothing through the coordinator (a proxy in
+  front of it counts the statements), each key runs once, and without the option every key
+  goes through it.
+- Twins entering through a routed process and through the coordinator run the view once.
+- A worker the process cannot reach (its address closed) leaves its tenants to the
+  coordinator: every request answered, none waits for that worker.
+- A shard moved while its tenant is routed: tests/e2e/test_citus_on_the_shard.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from flask import Flask, request
+
+from flask_idempotency import current_idempotency
+from flask_idempotency.testing.citus import CitusCluster
+from flask_idempotency.testing.postgres import free_port
+from flask_idempotency.testing.proxy import TcpProxy
+from tests.e2e.test_citus import init, table_names
+from tests.e2e.test_citus_on_the_shard import counting_app, placement, routed_to
+from tests.support.helpers import wait_until
+
+#: a tenant's name, with what a name may hold
+TENANT = "acme 'routed' %s $1 \\ ünï"
+
+
+def test_a_routed_tenant_s_keys_go_to_its_worker_and_not_through_the_coordinator(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    names = table_names("x")
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    _, port = placement(citus.url, names["IDEMPOTENCY_TABLE"], TENANT)
+    for route in (True, False):
+        runs: Counter[str] = Counter()
+        with TcpProxy.to_database(citus.url) as proxy:
+            app = counting_app(
+                node_app,
+                proxy.url(citus.url),
+                runs,
+                IDEMPOTENCY_ROUTE_TO_SHARDS=route,
+                IDEMPOTENCY_OWNER_DATABASE_URL=citus.url,  # its lock's session not counted
+                **names,
+            )
+            through_coordinator, keys = _served(app, proxy, port, route)
+        assert runs == Counter({f"{route}-first": 1, **{key: 1 for key in keys}})
+        if route:
+            assert through_coordinator == 0
+        else:  # at least the claim of each new key and each replay's look
+            assert through_coordinator >= 2 * len(keys)
+        assert routed_to(app, port) is route
+
+
+def _served(app: Flask, proxy: TcpProxy, port: int, route: bool) -> tuple[int, list[str]]:
+    """A tenant's first key, then (once routed, if *route*) 20 new keys, their replays and
+    three refusals of another body: the statements sent through *proxy* for the 20, and
+    their keys."""
+    client = app.test_client()
+
+    def post(key: str, n: int) -> tuple[int, bool]:
+        sent = client.post(
+            "/pay", headers={"Idempotency-Key": key, "X-Tenant": TENANT}, json={"n": n}
+        )
+        return sent.status_code, sent.headers.get("Idempotent-Replayed") == "true"
+
+    assert post(f"{route}-first", 0) == (201, False)
+    if route:
+        wait_until(lambda: routed_to(app, port))
+    sent_before = proxy.statements
+    keys = [f"{route}-{n}" for n in range(20)]
+    assert [post(key, 1) for key in keys] == [(201, False)] * len(keys)
+    assert [post(key, 1) for key in keys] == [(201, True)] * len(keys)
+    assert [post(key, 2)[0] for key in keys[:3]] == [422] * 3
+    return proxy.statements - sent_before, keys
+
+
+def test_twins_through_a_routed_process_and_the_coordinator_run_the_view_once(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    names = table_names("y")
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    _, port = placement(citus.url, names["IDEMPOTENCY_TABLE"], TENANT)
+    runs: Counter[str] = Counter()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_app(url: str, **config: object) -> Flask:
+        app = node_app(url, **names, **config)
+        idempotency = app.extensions["idempotency"].extension
+        idempotency.tenant_loader(lambda: request.headers.get("X-Tenant", ""))
+
+        @app.post("/slow")
+        @idempotency.idempotent
+        def slow() -> tuple[dict[str, str], int]:
+            runs[current_idempotency.key] += 1
+            started.set()
+            assert release.wait(30)
+            return {"ran": current_idempotency.key}, 201
+
+        return app
+
+    routed = slow_app(citus.url, IDEMPOTENCY_ROUTE_TO_SHARDS=True)
+    plain = slow_app(citus.url)
+    release.set()
+    learned = routed.test_client().post(
+        "/slow", headers={"Idempotency-Key": "learn", "X-Tenant": TENANT}
+    )
+    assert learned.status_code == 201
+    wait_until(lambda: routed_to(routed, port))
+
+    for first, twin in ((routed, plain), (plain, routed)):
+        key = f"twin-{first is routed}"
+        headers = {"Idempotency-Key": key, "X-Tenant": TENANT}
+        started.clear()
+        release.clear()
+        answers: list[int] = []
+
+        def send(
+            app: Flask = first, sent: dict[str, str] = headers, out: list[int] = answers
+        ) -> None:
+            out.append(app.test_client().post("/slow", headers=sent).status_code)
+
+        running = threading.Thread(target=send)
+        running.start()
+        assert started.wait(30)
+        assert twin.test_client().post("/slow", headers=headers).status_code == 409
+        release.set()
+        running.join(30)
+        assert answers == [201]
+        again = twin.test_client().post("/slow", headers=headers)
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert runs[key] == 1
+
+
+def test_a_worker_the_process_cannot_reach_leaves_its_tenants_to_the_coordinator(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    """The metadata names an address this process cannot reach (here: a closed port in the
+    learned place of the tenant's worker): its pool never connects, and every request goes
+    through the coordinator's functions, answered, none waiting for that worker."""
+    names = table_names("z")
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    runs: Counter[str] = Counter()
+    app = counting_app(
+        node_app,
+        citus.url,
+        runs,
+        IDEMPOTENCY_ROUTE_TO_SHARDS=True,
+        IDEMPOTENCY_POOL_TIMEOUT=30,
+        **names,
+    )
+    client = app.test_client()
+    headers = {"Idempotency-Key": "first", "X-Tenant": TENANT}
+    assert client.post("/pay", headers=headers).status_code == 201
+    store = app.extensions["idempotency"].store
+    shard = store._shards.on_this_node(TENANT)
+    assert shard is not None and shard[0].node is not None  # learned from the metadata
+    closed = ("127.0.0.1", free_port())
+    learned = shard[0]
+    store._shards.forget(TENANT)
+    store._shards.learn(TENANT, learned.keys, learned.graves, learned.shard, closed)
+    for n in range(10):
+        headers = {"Idempotency-Key": f"k{n}", "X-Tenant": TENANT}
+        assert client.post("/pay", headers=headers).status_code == 201
+        again = client.post("/pay", headers=headers)
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert runs == Counter({"first": 1, **{f"k{n}": 1 for n in range(10)}})
+    assert store.nodes is not None and store.nodes.pool(closed) is None  # never connected
