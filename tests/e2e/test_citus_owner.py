@@ -10,7 +10,9 @@ meeting another's in flight asks every node whether that lock is held
 - ``kill -9`` of the worker running a view (default 60 s lease): the retry through the other
   node is answered by the route's ``on_abandoned`` within 2 s (SPEC §20; here within
   :data:`~tests.e2e.test_owner_lock.DEATH_TO_ANSWER` on a loaded machine, far below the
-  lease, which therefore did not free it);
+  lease, which therefore did not free it); the same with the processes routing the
+  tenant's statements to its shard's worker (``IDEMPOTENCY_ROUTE_TO_SHARDS``: the killed
+  process held connections there, its owner lock on the coordinator);
 - a 3.5 s view under a 1 s lease, retried all along through the other node: never taken
   over (the lease is renewed on the shard's node by ``statements_citus.RENEW_CITUS``, the
   lock seen from the other node), neither while the owner locks' sessions are terminated.
@@ -52,7 +54,7 @@ from tests.e2e.test_owner_lock import (
     sending,
     view_started,
 )
-from tests.support.gunicorn_server import GunicornServer, post, wait_until
+from tests.support.gunicorn_server import GunicornServer, db_sockets, post, wait_until
 from tests.support.helpers import DB
 
 
@@ -89,21 +91,35 @@ def serve_on_both(
     citus: CitusCluster,
     tables: dict[str, str],
     worker_class: str = "sync",
+    workers: int = 2,
     **settings: Any,
 ) -> tuple[GunicornServer, GunicornServer]:
-    """ops_app under gunicorn through the coordinator and through the first worker."""
+    """ops_app under gunicorn (*workers* processes) through the coordinator and through the
+    first worker."""
     names = {name.removeprefix("IDEMPOTENCY_").lower(): value for name, value in tables.items()}
     return tuple(  # type: ignore[return-value]
         start_gunicorn(
             APP,
             env=environment(url, citus.url, **names, **settings),
-            workers=2,
+            workers=workers,
             worker_class=worker_class,
             threads=4 if worker_class == "gthread" else 1,
             ready_path="/health",
         )
         for url in (citus.url, citus.worker_urls[0])
     )
+
+
+def shard_worker_port(citus: CitusCluster, table: str, tenant: str) -> int:
+    """The port of the worker that holds *tenant*'s shard of *table*."""
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT nodeport FROM citus_shards WHERE table_name = %s::regclass"
+            " AND shardid = get_shard_id_for_distribution_column(%s::regclass, %s::text)",
+            (table, table, tenant),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def claim_of(citus: CitusCluster, table: str, key: str) -> tuple[str, int, int | None]:
@@ -116,8 +132,17 @@ def claim_of(citus: CitusCluster, table: str, key: str) -> tuple[str, int, int |
     return str(row[0]), int(row[1]), row[2]
 
 
-@pytest.mark.parametrize("path", ["/retry", "/unknown"])
-@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+@pytest.mark.parametrize(
+    ("worker_class", "path", "routed"),
+    [
+        ("sync", "/retry", False),
+        ("sync", "/unknown", False),
+        ("gthread", "/retry", False),
+        ("gthread", "/unknown", False),
+        ("sync", "/retry", True),
+        ("gthread", "/unknown", True),
+    ],
+)
 def test_a_killed_workers_claim_is_acted_on_at_once_through_another_node(
     start_gunicorn: Callable[..., GunicornServer],
     citus: CitusCluster,
@@ -126,16 +151,29 @@ def test_a_killed_workers_claim_is_acted_on_at_once_through_another_node(
     node_app: Callable[..., Flask],
     worker_class: str,
     path: str,
+    routed: bool,
 ) -> None:
     """``kill -9`` of the worker running a view entered at the coordinator (default 60 s
     lease): the retry through a worker node is answered by the route's ``on_abandoned``
-    within 2 s of the kill (here: :data:`DEATH_TO_ANSWER`)."""
-    coordinator, worker = serve_on_both(start_gunicorn, citus, tables, worker_class)
+    within 2 s of the kill (here: :data:`DEATH_TO_ANSWER`). *routed*: the processes route
+    their tenant's statements to its shard's worker (IDEMPOTENCY_ROUTE_TO_SHARDS), one
+    process each, which has served the tenant before: the killed claim went to that worker
+    straight from the process, its owner lock held on the coordinator."""
+    settings = {"route_to_shards": True} if routed else {}
+    coordinator, worker = serve_on_both(
+        start_gunicorn, citus, tables, worker_class, workers=1 if routed else 2, **settings
+    )
     table = tables["IDEMPOTENCY_TABLE"]
     worker_app = node_app(citus.worker_urls[0], **tables)
     key = f"kill-{uuid.uuid4()}"
+    if routed:  # the process learns the tenant's worker, and its pool there connects
+        learned = post(coordinator.port, path, f"learn-{uuid.uuid4()}")
+        assert learned.status == 201, learned.body
     with sending(executions, coordinator.port, path, key) as (first, _):
         [(attempt, victim)] = view_started(executions, key, first)
+        if routed:  # the victim holds connections to the tenant's worker: its routed pool
+            shard_port = shard_worker_port(citus, table, "")
+            assert db_sockets(victim, shard_port) >= 1
         status, claimed, owner_id = claim_of(citus, table, key)
         assert (attempt, status, claimed) == (1, "processing", 1)
         assert owner_id is not None
