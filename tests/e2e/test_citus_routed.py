@@ -8,6 +8,9 @@ coordinator sends a tenant's claims and common finishes to the worker that holds
 - Twins entering through a routed process and through the coordinator run the view once.
 - A worker the process cannot reach (its address closed) leaves its tenants to the
   coordinator: every request answered, none waits for that worker.
+- A worker that goes away after its pool connected (a proxy in its place, stopped): the
+  request that meets it fails at most, the worker is left out, later requests are answered,
+  each key runs once.
 - A shard moved while its tenant is routed: tests/e2e/test_citus_on_the_shard.py.
 """
 
@@ -171,3 +174,50 @@ def test_a_worker_the_process_cannot_reach_leaves_its_tenants_to_the_coordinator
         assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert runs == Counter({"first": 1, **{f"k{n}": 1 for n in range(10)}})
     assert store.nodes is not None and store.nodes.pool(closed) is None  # never connected
+
+
+def test_a_routed_worker_that_goes_away_leaves_its_tenants_to_the_coordinator(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    """The tenant's worker is reached through a proxy (learned in its place) that stops
+    once the pool connected: the request that meets it fails at most (503, its key not
+    claimed), the worker is left out, and every later request is answered; each key runs
+    once, retried or not."""
+    names = table_names("w")
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    runs: Counter[str] = Counter()
+    app = counting_app(
+        node_app,
+        citus.url,
+        runs,
+        IDEMPOTENCY_ROUTE_TO_SHARDS=True,
+        IDEMPOTENCY_POOL_TIMEOUT=1,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=2,
+        **names,
+    )
+    client = app.test_client()
+
+    def post(key: str) -> tuple[int, bool]:
+        sent = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": TENANT})
+        return sent.status_code, sent.headers.get("Idempotent-Replayed") == "true"
+
+    assert post("first") == (201, False)
+    store = app.extensions["idempotency"].store
+    found = store._shards.on_this_node(TENANT)
+    assert found is not None and found[0].node is not None
+    learned = found[0]
+    with TcpProxy(*learned.node) as proxy:
+        through = ("127.0.0.1", proxy.port)
+        store._shards.forget(TENANT)
+        store._shards.learn(TENANT, learned.keys, learned.graves, learned.shard, through)
+        wait_until(lambda: store.nodes is not None and store.nodes.pool(through) is not None)
+        assert post("routed") == (201, False)
+        assert proxy.statements >= 2  # its claim and its finish went through the proxy
+    # the proxy stopped: the pool's connections ended, new ones are refused
+    answers = [post(f"k{n}") for n in range(5)]
+    assert answers[0] in ((201, False), (503, False)), answers
+    assert answers[1:] == [(201, False)] * 4, answers
+    assert store.nodes is not None and store.nodes.pool(through) is None  # left out
+    for n in range(5):
+        assert post(f"k{n}")[0] == 201
+    assert runs == Counter({"first": 1, "routed": 1, **{f"k{n}": 1 for n in range(5)}})
