@@ -408,7 +408,8 @@ class Settings:
     #: on Citus: a tenant's claims and common finishes go from the process straight to the
     #: worker that holds its shard (the address the cluster's metadata gives, with the
     #: store URL's other parameters), learned at the tenant's first request; off: through
-    #: the node the store's URL names (docs: "Citus", "Entering at the coordinator")
+    #: the node the store's URL names (docs: "Citus", "Entering at the coordinator: routed
+    #: to the shard's worker")
     route_to_shards: bool = option(False, _bool)
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour

@@ -45,6 +45,7 @@ def new_app(database_url: str | None, **config: Any) -> Flask:
         ({"IDEMPOTENCY_HEADER": "Bad Header:"}, "IDEMPOTENCY_HEADER"),
         ({"IDEMPOTENCY_REQUIRED": "sometimes"}, "IDEMPOTENCY_REQUIRED"),
         ({"IDEMPOTENCY_RETRY_AFTER": -1}, "IDEMPOTENCY_RETRY_AFTER"),
+        ({"IDEMPOTENCY_ROUTE_TO_SHARDS": "coordinator\x00"}, "IDEMPOTENCY_ROUTE_TO_SHARDS"),
     ],
 )
 def test_bad_config_fails_at_start_up(config: dict[str, Any], message: str) -> None:
