@@ -77,7 +77,10 @@ class ShardNodes:
 
     def _ready(self, node: Node) -> None:
         with self._lock:
+            first = node not in self._connected
             self._connected.add(node)
+        if first:
+            logger.info("routing to worker %s:%d: its pool connected", node[0], node[1])
 
     def failed(self, node: Node, reason: str) -> None:
         """A statement sent to *node* failed for want of it: left out for a while."""

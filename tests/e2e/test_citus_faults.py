@@ -51,7 +51,13 @@ def ledger_distributed(url: str) -> None:
 
 
 @pytest.mark.timeout(int(CITUS_FAULT_SECONDS) + 300)
-def test_fault_schedule_on_citus(citus: CitusCluster, database_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("routed", [False, True], ids=["through-the-coordinator", "routed"])
+def test_fault_schedule_on_citus(
+    citus: CitusCluster, database_url: str, tmp_path: Path, routed: bool
+) -> None:
+    """*routed*: the app's processes send the tenant's claims and common finishes to its
+    shard's worker themselves (IDEMPOTENCY_ROUTE_TO_SHARDS), past the schedule's proxy, so
+    that the worker's restarts meet their pools there."""
     text = os.environ.get(SEED_ENV)
     seed = int(text) if text else random.SystemRandom().randrange(2**32)
     repeat = f"{SEED_ENV}={seed} IDEMPOTENCY_CITUS_FAULT_SECONDS={CITUS_FAULT_SECONDS:g}"
@@ -76,7 +82,9 @@ def test_fault_schedule_on_citus(citus: CitusCluster, database_url: str, tmp_pat
         seconds=CITUS_FAULT_SECONDS,
         seed=seed,
         effects=effects,
-        env=fault_app.environment(database_url, **SETTINGS, **settings, colocate_with=LEDGER),
+        env=fault_app.environment(
+            database_url, **SETTINGS, **settings, colocate_with=LEDGER, route_to_shards=routed
+        ),
         headers={"X-Tenant": tenant},
         workers=3,
         clients=4,
@@ -89,3 +97,6 @@ def test_fault_schedule_on_citus(citus: CitusCluster, database_url: str, tmp_pat
     print(report.summary())
     assert report.ok, f"seed {seed} (repeat with {repeat})\n{report}"
     assert "restart-worker" in {e.kind for e in report.events}
+    if routed:  # the processes did route (shard_nodes logs each worker's first connection)
+        logs = "".join(path.read_text() for path in tmp_path.rglob("gunicorn.log"))
+        assert "routing to worker" in logs
