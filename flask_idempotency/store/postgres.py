@@ -589,9 +589,9 @@ class PostgresStore(Execution):
         if found is None:
             return None
         shard, statements = found
-        via = None
-        if shard.node is not None:  # routed (IDEMPOTENCY_ROUTE_TO_SHARDS)
-            via = None if self.nodes is None else self.nodes.pool(shard.node)
+        node, nodes, via = shard.node, self.nodes, None
+        if node is not None:  # on a worker this process routes to (shard_nodes)
+            via = None if nodes is None else nodes.pool(node)
             if via is None:  # its pool has not connected yet, or failed lately
                 return None
         try:
@@ -600,9 +600,9 @@ class PostgresStore(Execution):
                 pick(statements), shard_params, patient=patient, tables=False, via=via
             )
         except StoreError as exc:
-            if via is not None and exc.outage and shard.node is not None and self.nodes:
+            if exc.outage and node is not None and nodes is not None:  # the worker failed it
                 self._shards.forget(tenant)
-                self.nodes.failed(shard.node, str(exc))
+                nodes.failed(node, str(exc))
             if not isinstance(exc.__cause__, _NOT_HERE):
                 raise
             row = None  # the shard's table is gone (moved and dropped), or is not ours
