@@ -23,6 +23,7 @@ from collections.abc import Callable
 from flask import Flask, request
 
 from flask_idempotency import current_idempotency
+from flask_idempotency.store.shard_hints import Shard
 from flask_idempotency.testing.citus import CitusCluster
 from flask_idempotency.testing.postgres import free_port
 from flask_idempotency.testing.proxy import TcpProxy
@@ -146,34 +147,19 @@ def test_a_worker_the_process_cannot_reach_leaves_its_tenants_to_the_coordinator
     """The metadata names an address this process cannot reach (here: a closed port in the
     learned place of the tenant's worker): its pool never connects, and every request goes
     through the coordinator's functions, answered, none waiting for that worker."""
-    names = table_names("z")
-    assert init(node_app(citus.url, **names)).exit_code == 0
     runs: Counter[str] = Counter()
-    app = counting_app(
-        node_app,
-        citus.url,
-        runs,
-        IDEMPOTENCY_ROUTE_TO_SHARDS=True,
-        IDEMPOTENCY_POOL_TIMEOUT=30,
-        **names,
-    )
-    client = app.test_client()
-    headers = {"Idempotency-Key": "first", "X-Tenant": TENANT}
-    assert client.post("/pay", headers=headers).status_code == 201
-    store = app.extensions["idempotency"].store
-    shard = store._shards.on_this_node(TENANT)
-    assert shard is not None and shard[0].node is not None  # learned from the metadata
+    app, learned = _routed_app(citus, node_app, "z", runs, IDEMPOTENCY_POOL_TIMEOUT=30)
     closed = ("127.0.0.1", free_port())
-    learned = shard[0]
-    store._shards.forget(TENANT)
-    store._shards.learn(TENANT, learned.keys, learned.graves, learned.shard, closed)
+    _learn_at(app, learned, closed)
+    client = app.test_client()
     for n in range(10):
         headers = {"Idempotency-Key": f"k{n}", "X-Tenant": TENANT}
         assert client.post("/pay", headers=headers).status_code == 201
         again = client.post("/pay", headers=headers)
         assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert runs == Counter({"first": 1, **{f"k{n}": 1 for n in range(10)}})
-    assert store.nodes is not None and store.nodes.pool(closed) is None  # never connected
+    nodes = app.extensions["idempotency"].store.nodes
+    assert nodes is not None and nodes.pool(closed) is None  # never connected
 
 
 def test_a_routed_worker_that_goes_away_leaves_its_tenants_to_the_coordinator(
@@ -183,41 +169,58 @@ def test_a_routed_worker_that_goes_away_leaves_its_tenants_to_the_coordinator(
     once the pool connected: the request that meets it fails at most (503, its key not
     claimed), the worker is left out, and every later request is answered; each key runs
     once, retried or not."""
-    names = table_names("w")
-    assert init(node_app(citus.url, **names)).exit_code == 0
     runs: Counter[str] = Counter()
-    app = counting_app(
-        node_app,
-        citus.url,
-        runs,
-        IDEMPOTENCY_ROUTE_TO_SHARDS=True,
-        IDEMPOTENCY_POOL_TIMEOUT=1,
-        IDEMPOTENCY_STATEMENT_TIMEOUT=2,
-        **names,
+    app, learned = _routed_app(
+        citus, node_app, "w", runs, IDEMPOTENCY_POOL_TIMEOUT=1, IDEMPOTENCY_STATEMENT_TIMEOUT=2
     )
+    nodes = app.extensions["idempotency"].store.nodes
+    assert nodes is not None and learned.node is not None
     client = app.test_client()
 
     def post(key: str) -> tuple[int, bool]:
         sent = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": TENANT})
         return sent.status_code, sent.headers.get("Idempotent-Replayed") == "true"
 
-    assert post("first") == (201, False)
-    store = app.extensions["idempotency"].store
-    found = store._shards.on_this_node(TENANT)
-    assert found is not None and found[0].node is not None
-    learned = found[0]
     with TcpProxy(*learned.node) as proxy:
         through = ("127.0.0.1", proxy.port)
-        store._shards.forget(TENANT)
-        store._shards.learn(TENANT, learned.keys, learned.graves, learned.shard, through)
-        wait_until(lambda: store.nodes is not None and store.nodes.pool(through) is not None)
+        _learn_at(app, learned, through)
+        wait_until(lambda: nodes.pool(through) is not None)
         assert post("routed") == (201, False)
         assert proxy.statements >= 2  # its claim and its finish went through the proxy
     # the proxy stopped: the pool's connections ended, new ones are refused
     answers = [post(f"k{n}") for n in range(5)]
     assert answers[0] in ((201, False), (503, False)), answers
     assert answers[1:] == [(201, False)] * 4, answers
-    assert store.nodes is not None and store.nodes.pool(through) is None  # left out
+    assert nodes.pool(through) is None  # left out
     for n in range(5):
         assert post(f"k{n}")[0] == 201
     assert runs == Counter({"first": 1, "routed": 1, **{f"k{n}": 1 for n in range(5)}})
+
+
+def _routed_app(
+    citus: CitusCluster,
+    node_app: Callable[..., Flask],
+    prefix: str,
+    runs: Counter[str],
+    **config: object,
+) -> tuple[Flask, Shard]:
+    """A routed app at the coordinator on tables of their own, after its first key of
+    :data:`TENANT` (``first``): the shard it learned from the metadata."""
+    names = table_names(prefix)
+    assert init(node_app(citus.url, **names)).exit_code == 0
+    app = counting_app(
+        node_app, citus.url, runs, IDEMPOTENCY_ROUTE_TO_SHARDS=True, **config, **names
+    )
+    headers = {"Idempotency-Key": "first", "X-Tenant": TENANT}
+    assert app.test_client().post("/pay", headers=headers).status_code == 201
+    found = app.extensions["idempotency"].store._shards.on_this_node(TENANT)
+    assert found is not None and found[0].node is not None  # learned from the metadata
+    return app, found[0]
+
+
+def _learn_at(app: Flask, learned: Shard, node: tuple[str, int]) -> None:
+    """*app*'s process takes :data:`TENANT`'s shard as on the worker at *node* (the fault:
+    the metadata naming an address other than the worker's own)."""
+    hints = app.extensions["idempotency"].store._shards
+    hints.forget(TENANT)
+    hints.learn(TENANT, learned.keys, learned.graves, learned.shard, node)
