@@ -10,13 +10,16 @@ coordinator sends a tenant's claims and common finishes to the worker that holds
   coordinator: every request answered, none waits for that worker.
 - A worker that goes away after its pool connected (a proxy in its place, stopped): the
   request that meets it fails at most, the worker is left out, later requests are answered,
-  each key runs once.
+  each key runs once; one that goes silent (the proxy frozen): the request that meets it
+  answers 503 within the store's bounds, the next go through the coordinator, and its key
+  runs once when retried.
 - A shard moved while its tenant is routed: tests/e2e/test_citus_on_the_shard.py.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -195,6 +198,49 @@ def test_a_routed_worker_that_goes_away_leaves_its_tenants_to_the_coordinator(
     for n in range(5):
         assert post(f"k{n}")[0] == 201
     assert runs == Counter({"first": 1, "routed": 1, **{f"k{n}": 1 for n in range(5)}})
+
+
+def test_a_routed_worker_that_answers_nothing_costs_one_request_its_bound(
+    citus: CitusCluster, node_app: Callable[..., Flask]
+) -> None:
+    """The tenant's worker, reached through a proxy, goes silent (connections open, nothing
+    answers): the request that meets it answers 503 within IDEMPOTENCY_POOL_TIMEOUT +
+    IDEMPOTENCY_STATEMENT_TIMEOUT (a margin for a loaded machine), the next ones go through
+    the coordinator. Once the proxy forwards again, the claim it held may commit after all;
+    its owner gave it up before, so it waits for its lease (3 s here), as a claim delivered
+    late does on one PostgreSQL: the key that got 503 runs once when retried."""
+    runs: Counter[str] = Counter()
+    pool_timeout, statement_timeout = 1, 2
+    app, learned = _routed_app(
+        citus,
+        node_app,
+        "p",
+        runs,
+        IDEMPOTENCY_POOL_TIMEOUT=pool_timeout,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=statement_timeout,
+        IDEMPOTENCY_LEASE=3,
+    )
+    nodes = app.extensions["idempotency"].store.nodes
+    assert nodes is not None and learned.node is not None
+    client = app.test_client()
+
+    def post(key: str) -> int:
+        sent = client.post("/pay", headers={"Idempotency-Key": key, "X-Tenant": TENANT})
+        return sent.status_code
+
+    with TcpProxy(*learned.node) as proxy:
+        through = ("127.0.0.1", proxy.port)
+        _learn_at(app, learned, through)
+        wait_until(lambda: nodes.pool(through) is not None)
+        assert post("routed") == 201
+        proxy.freeze()
+        started = time.monotonic()
+        assert post("silent") == 503
+        assert time.monotonic() - started < pool_timeout + statement_timeout + 2
+        assert [post(f"k{n}") for n in range(3)] == [201] * 3  # through the coordinator
+        proxy.thaw()
+    wait_until(lambda: post("silent") == 201, 30)
+    assert runs == Counter({"first": 1, "routed": 1, "silent": 1, "k0": 1, "k1": 1, "k2": 1})
 
 
 def _routed_app(
