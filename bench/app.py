@@ -101,14 +101,19 @@ class ExecutionLog:
         os.write(fd, key.encode("ascii", "replace") + b"\n")
 
 
-def create_app(database_url: str | None = None, exec_dir: str | None = None) -> Flask:
+def create_app(
+    database_url: str | None = None,
+    exec_dir: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> Flask:
     app = Flask(__name__)
     url = database_url or os.environ["BENCH_DATABASE_URL"]
     executions = ExecutionLog(exec_dir or os.environ["BENCH_EXEC_DIR"])
     # The extension's defaults (bench/servers.py runs `flask idempotency-init` first), unless
-    # the environment says otherwise: FLASK_IDEMPOTENCY_TTL=... and so on.
+    # the environment says otherwise (FLASK_IDEMPOTENCY_TTL=... and so on), or *config*.
     app.config["IDEMPOTENCY_DATABASE_URL"] = url
     app.config.from_prefixed_env()
+    app.config.update(config or {})
     idempotency = Idempotency(app)
     # `flask idempotency-dispatch` (the soak's --soak-workers) needs a dispatcher; the
     # bench's views stage no jobs, so it only ever polls.

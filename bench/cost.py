@@ -9,9 +9,11 @@ they are the figures to compare two versions of the library with on a busy machi
 VARIANT is ``plain``, ``new``, ``replay``, ``handrolled``, the floor (``floor``: a bare
 claim INSERT and finish UPDATE, two commits), or the order view's ``order``, ``order-tx``
 (transactional=True), ``order-hand`` and ``order-floor`` (the floor's claim, the row and
-the finish in one transaction) (default: all). Without ``--url`` it starts a throwaway
-durable PostgreSQL (as bench/run does) and stops it at the end; ``--unix-socket`` has the
-app connect to that server over its Unix-domain socket instead of 127.0.0.1 TCP.
+the finish in one transaction), and ``new-1.1`` and ``order-tx-1.1``: ``new`` and
+``order-tx`` with ``IDEMPOTENCY_COMPATIBILITY = "1.1"`` (default: all). Without ``--url`` it
+starts a throwaway durable PostgreSQL (as bench/run does) and stops it at the end;
+``--unix-socket`` has the app connect to that server over its Unix-domain socket instead
+of 127.0.0.1 TCP.
 Each variant gets a fresh app (bench/app.py) driven by Flask's test client, 100
 warm-up requests, then *rounds* of *requests*; it prints the minimum over the rounds of
 each CPU figure (the least disturbed round) and the median of the counters.
@@ -47,7 +49,12 @@ PATHS = {
     "order-tx": "/order-transactional",
     "order-hand": "/order-handrolled",
     "order-floor": "/order-floor",
+    "new-1.1": "/idempotent",
+    "order-tx-1.1": "/order-transactional",
 }
+#: the variants served with IDEMPOTENCY_COMPATIBILITY = "1.1" (the common headers stored
+#: as NULL): what a table no 1.0 release reads any more costs
+COMPATIBILITY = {"new-1.1": "1.1", "order-tx-1.1": "1.1"}
 TABLES = {
     "new": "idempotency_keys",
     "replay": "idempotency_keys",
@@ -56,6 +63,8 @@ TABLES = {
     "order-hand": "handrolled_keys",
     "floor": "floor_keys",
     "order-floor": "floor_keys",
+    "new-1.1": "idempotency_keys",
+    "order-tx-1.1": "idempotency_keys",
 }
 
 
@@ -113,7 +122,10 @@ def flush_stats(app: Any) -> None:
 def measure(
     url: str, postmaster: int | None, variant: str, rounds: int, requests: int, exec_dir: str
 ) -> dict[str, Any]:
-    app = create_app(url, exec_dir)
+    config = (
+        {"IDEMPOTENCY_COMPATIBILITY": COMPATIBILITY[variant]} if variant in COMPATIBILITY else {}
+    )
+    app = create_app(url, exec_dir, config)
     client: FlaskClient = app.test_client()
     run = uuid.uuid4().hex[:8]
     path = PATHS[variant]

@@ -213,6 +213,16 @@ def _parsed(parse: Callable[[Any], Any]) -> Converter:
     return convert
 
 
+def _release(*releases: str) -> Converter:
+    """A release's "major.minor", also as the number ``from_prefixed_env`` makes of it."""
+    choose = _choice(*releases)
+
+    def convert(value: Any, key: str) -> str:
+        return str(choose(repr(value) if isinstance(value, float) else value, key))
+
+    return convert
+
+
 def _in_progress_status(value: Any, key: str) -> int:
     status = _int_at_least(0)(value, key)
     if status not in (202, 409):
@@ -411,6 +421,11 @@ class Settings:
     #: the node the store's URL names (docs: "Citus", "Entering at the coordinator: routed
     #: to the shard's worker")
     route_to_shards: bool = option(False, _bool)
+    #: the oldest release that may read the keys table (serving beside this one, or
+    #: rolled back to): "1.0" writes only what every earlier release reads; "1.1" stores
+    #: the common JSON answer's headers as NULL (52 bytes less per key), which a 1.0
+    #: release would replay without its Content-Type (docs: "Upgrading")
+    compatibility: str = option("1.0", _release("1.0", "1.1"))
     #: the first retry of a failed job hand-over (or reconciliation) waits this long; each
     #: further one twice as long, at most an hour
     reconcile_backoff: timedelta = option(5, _duration)

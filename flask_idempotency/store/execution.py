@@ -145,7 +145,9 @@ class Execution:
         self.table = self.schema.table
         #: the LISTEN/NOTIFY channel that announces finished keys (see waiting.py)
         self.channel = self.schema.channel
-        self.at_rest = AtRest(settings.encryptor)  #: seals what is stored (or not)
+        #: seals what is stored (or not); writes the short form of the common headers
+        #: once no 1.0 release reads the table
+        self.at_rest = AtRest(settings.encryptor, short_headers=settings.compatibility != "1.0")
         #: this process's owner lock (SPEC §20), made on first use in each process
         self._owner: Owner | None = None
         self._free_owners = self.statement(FREE_OWNERS)

@@ -31,7 +31,7 @@ from .records import (
     WindowEnd,
 )
 from .rows import is_storable_text, storable_text
-from .sealing import SEALED_HEADERS, SEALED_REQUEST, refused
+from .sealing import SEALED_HEADERS, SEALED_REQUEST, plain_headers, refused
 from .statement import Statement
 from .statements_background import RESOLVE_KEY
 from .statements_by_class import KEYS_PAGE_BY_CLASS, WINDOW_END_BY_CLASS
@@ -272,6 +272,8 @@ class Operations:
         """*row* with its sealed response and request opened (``IDEMPOTENCY_ENCRYPTOR``);
         one that cannot be opened is shown as ``sealed_error``, never as ciphertext."""
         tenant, key, at_rest = row.tenant, row.key, self.store.at_rest
+        if row.response_status is not None and row.response_headers != SEALED_HEADERS:
+            row = dataclasses.replace(row, response_headers=plain_headers(row.response_headers))
         try:
             if row.response_headers == SEALED_HEADERS and row.response_status is not None:
                 opened = at_rest.open_response(

@@ -270,7 +270,9 @@ LEASE = 3
 @pytest.fixture(scope="module")
 def served(citus: CitusCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Keys co-located with the app's ``payments`` table; the app served by gunicorn on the
-    coordinator and on a worker (two workers each), for the module."""
+    coordinator and on a worker (two workers each), for the module; the worker's at
+    ``IDEMPOTENCY_COMPATIBILITY = "1.1"`` (the common headers stored short), the
+    coordinator's at the default."""
     names = table_names("s")
     payments = names["IDEMPOTENCY_TABLE"].removesuffix("_keys") + "_payments"
     query(citus.url, f"CREATE TABLE {payments} (tenant text NOT NULL, key text, amount integer)")
@@ -286,7 +288,11 @@ def served(citus: CitusCluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
     envs: list[dict[str, str]] = []
     try:
         for n, url in enumerate((citus.url, citus.worker_urls[0])):
-            env = {**environment(url, citus.url, **settings), "CITUS_PAYMENTS_TABLE": payments}
+            compatibility = {"compatibility": "1.1"} if n == 1 else {}
+            env = {
+                **environment(url, citus.url, **settings, **compatibility),
+                "CITUS_PAYMENTS_TABLE": payments,
+            }
             envs.append(env)
             server = GunicornServer(
                 "tests.apps.citus_app:create_app()",
@@ -338,6 +344,32 @@ def test_claim_replay_mismatch_and_in_progress(served: Served) -> None:
     reused = post(served.coordinator.port, "/pay", key, {"amount": 6})
     assert reused.status == 422 and reused.problem_type().endswith("key-reused")
     assert len(served.executions(key)) == 1
+
+
+def test_short_headers_stored_through_a_worker_replay_through_the_coordinator(
+    served: Served,
+) -> None:
+    """A key finished by the worker's app (``IDEMPOTENCY_COMPATIBILITY = "1.1"``) stores its
+    JSON answer's headers as NULL on the shard; the coordinator's app (at the default)
+    replays it with the same headers and body, and a key it finishes stores them in full.
+    The transactional route (its payment and its answer committed together) answers the
+    common JSON headers alone."""
+    table = served.names["IDEMPOTENCY_TABLE"]
+    stored = f"SELECT response_headers FROM {table} WHERE key = %s"
+    paid = f"SELECT count(*) FROM {served.payments} WHERE key = %s"
+    for writer, reader, headers in (
+        (served.worker, served.coordinator, None),
+        (served.coordinator, served.worker, [["Content-Type", "application/json"]]),
+    ):
+        key = f"short-{uuid.uuid4().hex}"
+        answer = post(writer.port, "/transfer", key, {"amount": 7})
+        assert answer.status == 201 and not answer.replayed, answer.body
+        assert query(served.citus.url, stored, key) == [(headers,)]
+        replay = post(reader.port, "/transfer", key, {"amount": 7})
+        assert replay.status == 201 and replay.replayed
+        assert replay.body == answer.body
+        assert replay.stored_headers() == answer.stored_headers()
+        assert query(served.citus.url, paid, key) == [(1,)]
 
 
 def test_twins_through_the_coordinator_and_a_worker_run_once(served: Served) -> None:

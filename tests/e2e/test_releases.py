@@ -30,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -1254,6 +1255,75 @@ def test_a_dead_owner_never_speaks_for_an_old_release_s_claim(scenario: Scenario
         expected = {by_new: ["new:1", "old:2"], by_old: ["old:1", "new:2", "old:3"]}
         if ran != expected:
             findings.add(f"executions (release:attempt): {ran}, expected {expected}")
+        stop(new, old)
+    findings.step("checked")
+    assert not findings.items, "\n".join(f"- {item}" for item in findings.items)
+
+
+#: the release a table at IDEMPOTENCY_COMPATIBILITY = "1.1" may roll back to: 1.0.0
+ONE_ZERO = [r for r in RELEASES if r.commit == "5c77fea"]
+
+
+def rollback_rewrite() -> str:
+    """The statement docs/howto/upgrading.md gives for a rollback to 1.0 from
+    ``IDEMPOTENCY_COMPATIBILITY = "1.1"`` (its one ``sql`` block that names the short form)."""
+    page = (ROOT / "docs" / "howto" / "upgrading.md").read_text(encoding="utf-8")
+    blocks = [
+        textwrap.dedent(b)
+        for b in re.findall(r"```sql\n(.*?)```", page, re.S)
+        if "response_headers IS NULL" in b
+    ]
+    assert len(blocks) == 1, blocks
+    return blocks[0]
+
+
+@pytest.mark.parametrize("release", ONE_ZERO, ids=[r.commit for r in ONE_ZERO])
+def test_a_rollback_from_short_headers_replays_alike_once_rewritten(scenario: Scenario) -> None:
+    """The new release at ``IDEMPOTENCY_COMPATIBILITY = "1.1"`` stores the JSON answers'
+    headers as NULL; 1.0.0, served beside it afterwards, replays such a key as ``text/html``
+    (what the how-to warns of), and, once the how-to's statement has run, every other such
+    key with the headers and body of its first answer. The new release replays them alike
+    throughout."""
+    s, findings = scenario, scenario.findings
+    headers = {"X-Tenant": OWNER_TENANT}  # executions_of's
+    with psycopg.connect(s.url, autocommit=True) as db:
+        new = s.serve(s.new, workers=2, compatibility="1.1")
+        keys = [f"short-{n}-{uuid.uuid4().hex[:8]}" for n in range(4)]
+        first = {key: post(new.port, "/pay", key, {"amount": 1}, headers=headers) for key in keys}
+        assert all(a.status == 201 and not a.replayed for a in first.values()), first
+        stored = db.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {} WHERE key = ANY(%s) AND response_headers IS NULL"
+            ).format(sql.Identifier(TABLE)),
+            (keys,),
+        ).fetchone()
+        assert stored == (len(keys),), stored  # the short form, as the setting asks
+        old = s.serve(s.old, workers=1)
+
+        findings.step("1.0.0 replays a short-form key before the rewrite")
+        unwritten = post(old.port, "/pay", keys[0], {"amount": 1}, headers=headers)
+        assert (unwritten.status, unwritten.replayed) == (201, True), unwritten
+        assert unwritten.body == first[keys[0]].body
+        assert unwritten.headers["Content-Type"].startswith("text/html"), unwritten.headers
+
+        findings.step("the how-to's rewrite, then 1.0.0 and the new release replay")
+        rewritten = db.execute(rollback_rewrite()).rowcount
+        assert rewritten >= len(keys) - 1, rewritten
+        for key in keys[1:]:
+            for serving in (old, new):
+                replay = post(serving.port, "/pay", key, {"amount": 1}, headers=headers)
+                if (replay.status, replay.replayed, replay.body) != (
+                    201,
+                    True,
+                    first[key].body,
+                ) or replay.stored_headers() != first[key].stored_headers():
+                    findings.add(
+                        f"{key} through {serving.label}: {replay.status} {replay.headers!r}"
+                        f" {replay.body[:200]!r}, not the replay of {first[key]!r}"
+                    )
+        ran = {key: executions_of(db, key) for key in keys}
+        if any(runs != ["new:1"] for runs in ran.values()):
+            findings.add(f"executions (release:attempt): {ran}")
         stop(new, old)
     findings.step("checked")
     assert not findings.items, "\n".join(f"- {item}" for item in findings.items)
