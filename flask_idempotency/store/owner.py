@@ -62,6 +62,12 @@ _RECONNECT_SECONDS = 0.2
 #: how often the lock's thread checks that the lock is its own session's
 _VERIFY_SECONDS = 5.0
 
+#: after a hand-back that found no claim, the pauses before it looks again: a claim whose
+#: bytes were still on their way (a partition that heals with them in flight) commits after
+#: its process gave up on it, and is handed back at the next look instead of holding its
+#: key for its lease behind a live owner (the last look 63 s after the first)
+LATE_LOOKS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
 #: the owner lock's connection's application_name (pg_stat_activity tells them apart)
 APPLICATION_NAME = "flask-idempotency owner"
 
@@ -204,6 +210,9 @@ class Owner:
         self._sending: dict[tuple[str, str], int] = {}
         self._unanswered: set[tuple[str, str]] = set()
         self._handing: set[tuple[str, str]] = set()
+        #: lost claims a hand-back found nothing of yet: when to look again (monotonic),
+        #: and how many looks were made (LATE_LOOKS)
+        self._late: dict[tuple[str, str], tuple[float, int]] = {}
         self._settled = threading.Condition(self._lock)
         self._holding = threading.Event()
         self._stopping = threading.Event()
@@ -359,11 +368,13 @@ class Owner:
                     self._sending[name] = left
                 if claim.owns:
                     self._unanswered.discard(name)
+                    self._late.pop(name, None)
                 elif claim.lost and self._hand_back is not None and self.usable:
                     # a key this process holds a claim of is left alone: its claim is renewed,
                     # so the lost one was fenced (unless the lease lapsed: then as before)
                     if not any(held[:2] == name for held in self._held):
                         self._unanswered.add(name)
+                        self._late.pop(name, None)
             if claim.lost and not claim.owns:
                 self._start()
 
@@ -503,10 +514,17 @@ class Owner:
                 held.on_kept(stored)
 
     def _hand_back_unanswered(self) -> None:
-        """Hand back the claims whose answer was lost (:meth:`claiming`), fenced by this
+        """Hand back the claims whose answer was lost (:meth:`claiming`), and look again for
+        those not found yet when their next look is due (:data:`LATE_LOOKS`), fenced by this
         owner and by the claims it holds: a key none of whose claims is being sent."""
+        now = time.monotonic()
         with self._lock:
             due = [name for name in self._unanswered if not self._sending.get(name)]
+            due += [
+                name
+                for name, (at, _) in self._late.items()
+                if at <= now and name not in self._unanswered and not self._sending.get(name)
+            ]
             self._handing.update(due)
         try:
             for name in due:
@@ -532,13 +550,18 @@ class Owner:
         granted, forgotten, ended = row[:3] if row else (False, 0, 0)
         if not granted:
             return  # a claim of the key is in flight (another process's): the next tick
+        name = (tenant, key)
         with self._lock:
-            self._unanswered.discard((tenant, key))
+            self._unanswered.discard(name)
+            _, looks = self._late.pop(name, (0.0, 0))
+            if not (forgotten or ended) and looks < len(LATE_LOOKS):
+                self._late[name] = (time.monotonic() + LATE_LOOKS[looks], looks + 1)
         if forgotten or ended:
             logger.info(
-                "decision=handed_back key=%r: a claim whose answer was lost is %s",
+                "decision=handed_back key=%r: a claim whose answer was lost is %s%s",
                 key,
                 "forgotten" if forgotten else "left to its on_abandoned",
+                f" (it committed late: found at look {looks + 1})" if looks else "",
             )
 
     def _renew_due(self) -> None:

@@ -24,6 +24,7 @@ import os
 import re
 import socket
 import threading
+import time
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -88,6 +89,10 @@ class TcpProxy(Service):
         self._messages: dict[int, FrontendMessages] = {}
         self._answers_to_drop = 0
         self._answers_to_pass = 0
+        #: the connections open now (by their client socket's id), and until when what
+        #: their clients send is held (:meth:`stall`)
+        self._open: set[int] = set()
+        self._stalled: dict[int, float] = {}
 
     @classmethod
     def to_database(cls, database_url: str) -> TcpProxy:
@@ -133,6 +138,15 @@ class TcpProxy(Service):
 
     def thaw(self) -> None:
         self._flowing.set()
+
+    def stall(self, seconds: float) -> None:
+        """Hold what the clients of the connections open now send for *seconds* from now,
+        then forward it, in order; connections opened later flow. A partition that heals
+        with a client's bytes still on their way: they reach the server after the client
+        gave up on them, while its new connections are answered at once."""
+        until = time.monotonic() + seconds
+        with self._lock:
+            self._stalled.update({pair: until for pair in self._open})
 
     def drop_answers(self, count: int = 1, *, after: int = 0) -> None:
         """Lose the next *count* answers, once *after* more have passed: on the first bytes a
@@ -198,6 +212,7 @@ class TcpProxy(Service):
             with self._lock:
                 self._sockets += [client, upstream]
                 self.connections += 1
+                self._open.add(id(client))
             if self._stopping.is_set():  # stop() is closing them
                 return
             self._spawn(self._pump, client, upstream, id(client), True)
@@ -246,15 +261,30 @@ class TcpProxy(Service):
             while not self._flowing.wait(0.1):
                 if self._stopping.is_set():
                     return
+            if from_client and self._held_back(pair):
+                return
             try:
                 sink.sendall(data)
             except OSError:
                 break
+        with self._lock:
+            self._open.discard(pair)
+            self._stalled.pop(pair, None)
         for sock in (source, sink):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _held_back(self, pair: int) -> bool:
+        """Wait out the stall of connection *pair* (:meth:`stall`); True if the proxy
+        stopped meanwhile."""
+        with self._lock:
+            until = self._stalled.get(pair, 0.0)
+        while time.monotonic() < until:
+            if self._stopping.wait(min(0.05, until - time.monotonic())):
+                return True
+        return False
 
 
 class FrontendMessages:

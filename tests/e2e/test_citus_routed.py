@@ -207,8 +207,9 @@ def test_a_routed_worker_that_answers_nothing_costs_one_request_its_bound(
     answers): the request that meets it answers 503 within IDEMPOTENCY_POOL_TIMEOUT +
     IDEMPOTENCY_STATEMENT_TIMEOUT (a margin for a loaded machine), the next ones go through
     the coordinator. Once the proxy forwards again, the claim it held may commit after all;
-    its owner gave it up before, so it waits for its lease (3 s here), as a claim delivered
-    late does on one PostgreSQL: the key that got 503 runs once when retried."""
+    on Citus its owner hands no lost claim back, so it waits for its lease (3 s here; on one
+    PostgreSQL the owner's late looks hand it back, tests/unit/test_lost_claim.py): the key
+    that got 503 runs once when retried."""
     runs: Counter[str] = Counter()
     pool_timeout, statement_timeout = 1, 2
     app, learned = _routed_app(

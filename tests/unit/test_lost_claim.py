@@ -223,3 +223,49 @@ def test_on_leases_alone_a_lost_claim_waits_for_its_lease(
     assert answer.get_json()["attempt"] == 2  # the lost claim was attempt 1, taken over
     assert waited > LEASE / 3 - 1
     assert executions(db, key) == 1
+
+
+#: the lease of the late claim's test: long enough that waiting for it would show
+LATE_LEASE = 20.0
+#: how long the claim's bytes stay on their way: past the request's bound (2 s)
+STALL = 3.0
+
+
+def test_a_lost_claim_that_commits_late_is_handed_back_once_it_does(
+    proxy: TcpProxy,
+    make_app: Callable[..., Flask],
+    twin: Flask,
+    database_url: str,
+    db: DB,
+    key: str,
+) -> None:
+    """A partition that heals with the claim's bytes still on their way: the request
+    answers 503 at its bound, the process's hand-back finds no claim (the bytes have not
+    arrived), and the claim commits after it. The process looks again (owner.LATE_LOOKS) and
+    hands it back then, so the retry runs the view once at once, not after its 20 s lease
+    behind an owner that lives."""
+    app = make_app(
+        database_url=proxy.url(database_url),
+        IDEMPOTENCY_OWNER_DATABASE_URL=database_url,
+        IDEMPOTENCY_LEASE=LATE_LEASE,
+        IDEMPOTENCY_POOL_TIMEOUT=TIMEOUT,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=TIMEOUT,
+        IDEMPOTENCY_POOL_MIN_SIZE=2,
+        IDEMPOTENCY_POOL_MAX_SIZE=2,
+    )
+    assert post(app.test_client(), "/payments", key + "-warm").status_code == 201
+    proxy.stall(STALL)  # the pool's connections: the claim reaches the server STALL s late
+    answer = post(app.test_client(), "/payments", key)
+    assert answer.status_code == 503, answer.get_data(as_text=True)
+    assert row(db, key) is None  # not there when the process gave up on it
+    wait_until(lambda: row(db, key) is not None, STALL + 5)  # the late claim commits
+    committed = row(db, key)
+    assert committed is not None and committed[0] == "processing" and committed[3], committed
+    answer, waited, conflicts = served_after(twin, key, LATE_LEASE + 5)
+    print(
+        f"a claim committed late: the retry was served {waited:.2f} s after it ({conflicts} 409s)"
+    )
+    assert answer.status_code == 201
+    assert answer.get_json()["attempt"] == 1  # as if the late claim had never been
+    assert waited < LATE_LEASE / 2  # handed back at a look, not left to its lease
+    assert executions(db, key) == 1
