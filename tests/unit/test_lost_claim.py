@@ -37,10 +37,17 @@ TIMEOUT = 1.0
 def lossy(proxy: TcpProxy, make_app: Callable[..., Flask], database_url: str) -> Flask:
     """An app whose pool goes through *proxy* (its owner lock direct), warmed up: the
     schema checked, the owner lock held, the replication asked."""
+    return proxied_app(proxy, make_app, database_url, LEASE)
+
+
+def proxied_app(
+    proxy: TcpProxy, make_app: Callable[..., Flask], database_url: str, lease: float
+) -> Flask:
+    """:func:`lossy`'s app, with *lease*."""
     app = make_app(
         database_url=proxy.url(database_url),
         IDEMPOTENCY_OWNER_DATABASE_URL=database_url,
-        IDEMPOTENCY_LEASE=LEASE,
+        IDEMPOTENCY_LEASE=lease,
         IDEMPOTENCY_POOL_TIMEOUT=TIMEOUT,
         IDEMPOTENCY_STATEMENT_TIMEOUT=TIMEOUT,
         IDEMPOTENCY_POOL_MIN_SIZE=2,
@@ -244,16 +251,7 @@ def test_a_lost_claim_that_commits_late_is_handed_back_once_it_does(
     arrived), and the claim commits after it. The process looks again (owner.LATE_LOOKS) and
     hands it back then, so the retry runs the view once at once, not after its 20 s lease
     behind an owner that lives."""
-    app = make_app(
-        database_url=proxy.url(database_url),
-        IDEMPOTENCY_OWNER_DATABASE_URL=database_url,
-        IDEMPOTENCY_LEASE=LATE_LEASE,
-        IDEMPOTENCY_POOL_TIMEOUT=TIMEOUT,
-        IDEMPOTENCY_STATEMENT_TIMEOUT=TIMEOUT,
-        IDEMPOTENCY_POOL_MIN_SIZE=2,
-        IDEMPOTENCY_POOL_MAX_SIZE=2,
-    )
-    assert post(app.test_client(), "/payments", key + "-warm").status_code == 201
+    app = proxied_app(proxy, make_app, database_url, LATE_LEASE)
     proxy.stall(STALL)  # the pool's connections: the claim reaches the server STALL s late
     answer = post(app.test_client(), "/payments", key)
     assert answer.status_code == 503, answer.get_data(as_text=True)
