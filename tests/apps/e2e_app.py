@@ -21,6 +21,7 @@ never stored nor replayed: it tells which worker answered.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any
@@ -77,6 +78,9 @@ def record_then_hold(executions_url: str) -> None:
 
 
 def create_app() -> Flask:
+    if os.environ.get("E2E_LOG_DECISIONS") == "1":  # every decision, timed, in the log
+        logging.basicConfig(format="%(asctime)s pid=%(process)d %(levelname)s %(message)s")
+        logging.getLogger("flask_idempotency").setLevel(logging.INFO)
     executions_url = os.environ["E2E_EXECUTIONS_URL"]
     app, idempotency = app_from_environment("e2e_app")
 
