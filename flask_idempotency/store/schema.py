@@ -217,13 +217,14 @@ class Schema:
         self.channel = f"{name}_finished"[:63]
         #: on Citus, the new-key claim and the common finish delegated to the shard's node
         #: (their names, quoted as needed; None: a table name too long to add a suffix to).
-        #: _v2 runs on the shard itself; the _v1 claim of the release before is left alone.
-        function_name = f"{name}_claim_v2"
-        complete_name = f"{name}_complete_v2"
+        #: _v3 runs on the shard itself; the _v1 claim of 1.0 is left alone (_v2, of no release,
+        #: asked the shard's placement without the node's group).
+        function_name = f"{name}_claim_v3"
+        complete_name = f"{name}_complete_v3"
         fits = len(complete_name) <= 63
         self._function_name = function_name if fits else None
         self._complete_name = complete_name if fits else None
-        self._here_name = f"{name}_here_v2" if fits else None
+        self._here_name = f"{name}_here_v3" if fits else None
         self.claim_function_name = sql.Identifier(*parts[:-1], function_name) if fits else None
         self.complete_function_name = sql.Identifier(*parts[:-1], complete_name) if fits else None
         #: whether a shard is on this node (HERE_FUNCTION), made on every node

@@ -949,7 +949,7 @@ def test_the_claim_function_comes_with_the_upgrade(
     table = names["IDEMPOTENCY_TABLE"]
     first = app_on(citus.url)
     assert init(first).exit_code == 0
-    for made in ("_claim_v2", "_complete_v2"):  # as a release before them left the table
+    for made in ("_claim_v3", "_complete_v3"):  # as a release before them left the table
         query(citus.url, f"DROP FUNCTION {table}{made}")
     query(citus.url, f"ALTER TABLE {table} ADD CONSTRAINT {table}_status_check CHECK ({OLD_CHECK})")
     shards = query(

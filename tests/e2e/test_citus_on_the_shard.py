@@ -208,7 +208,7 @@ def test_a_session_that_lost_its_prepared_statements_prepares_them_again(
     shard, port = placement(citus.url, table, "t")
     shard_url = next(w.url for w in citus.workers if w.port == port)
     call = (
-        f"SELECT decision, attempt FROM {table}_claim_v2(%s, %s, '\\x01'::bytea, %s, false, 0,"
+        f"SELECT decision, attempt FROM {table}_claim_v3(%s, %s, '\\x01'::bytea, %s, false, 0,"
         " 60, 86400, NULL, NULL, 'retry', NULL, NULL, NULL)"
     )
     prepared = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem2%%'"
