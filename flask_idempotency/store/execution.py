@@ -133,7 +133,9 @@ class Execution:
         #: ``prepare=`` of every statement: None (prepared, per the connection's
         #: threshold) until a transaction pooler loses one, then False (never)
         self._prepare: bool | None = None if settings.prepared_statements else False
-        self._lock = threading.Lock()
+        #: guards the pool's and the owner's making; re-entrant: making the owner asks
+        #: whether the database is Citus, which may open the pool
+        self._lock = threading.RLock()
         #: the table's schema objects (create, check, upgrade)
         self.schema = Schema(
             settings.table,

@@ -37,9 +37,9 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import pq
@@ -48,6 +48,8 @@ from ..errors import StoreError
 from ..keys import lock_id
 from .pool import bounded, one_line
 from .statement import Statement
+
+T = TypeVar("T")
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -473,13 +475,14 @@ class Owner:
     # -- the renewals' thread ------------------------------------------------------------
 
     def _keep_alive(self) -> None:
-        """Store the kept answers and renew the claims in flight, through the store's
-        execution path; a failure is said once and tried again at the next tick."""
+        """Store the kept answers, renew the claims in flight and hand back the lost ones,
+        through the store's execution path, each duty on its own: one that fails (a kept
+        answer whose row another session locks) holds up none of the others. A failure is
+        said once and tried again at the next tick."""
+        duties = (self._store_kept, self._renew_due, self._hand_back_unanswered)
         while not self._stopping.wait(_TICK_SECONDS):
             try:
-                self._store_kept()
-                self._renew_due()
-                self._hand_back_unanswered()
+                _each(duties, lambda duty: duty())
             except StoreError as exc:
                 if not self._said_failing:
                     logger.warning("owner %d cannot renew its claims now: %s", self.id, exc)
@@ -488,30 +491,34 @@ class Owner:
                 self._said_failing = False
 
     def _store_kept(self) -> None:
+        """Each kept answer tried on its own; the first failure is raised once every one
+        was tried."""
         with self._lock:
             kept = [(name, held) for name, held in self._held.items() if held.kept is not None]
-        for name, held in kept:
-            assert held.kept is not None
-            statement, params = held.kept
-            rowcount, _ = self._run(statement, params)
-            with self._lock:
-                self._held.pop(name, None)
-            stored = rowcount == 1
-            if stored:
-                logger.info(
-                    "decision=stored_late key=%r attempt=%r: the kept answer is stored",
-                    params["key"],
-                    params["attempt"],
-                )
-            else:
-                logger.warning(
-                    "decision=fenced key=%r attempt=%r: a newer attempt owns the key; the"
-                    " kept answer was not stored",
-                    params["key"],
-                    params["attempt"],
-                )
-            if held.on_kept is not None:
-                held.on_kept(stored)
+        _each(kept, lambda one: self._store_one_kept(*one))
+
+    def _store_one_kept(self, name: tuple[str, str, int, int], held: Held) -> None:
+        assert held.kept is not None
+        statement, params = held.kept
+        rowcount, _ = self._run(statement, params)
+        with self._lock:
+            self._held.pop(name, None)
+        stored = rowcount == 1
+        if stored:
+            logger.info(
+                "decision=stored_late key=%r attempt=%r: the kept answer is stored",
+                params["key"],
+                params["attempt"],
+            )
+        else:
+            logger.warning(
+                "decision=fenced key=%r attempt=%r: a newer attempt owns the key; the"
+                " kept answer was not stored",
+                params["key"],
+                params["attempt"],
+            )
+        if held.on_kept is not None:
+            held.on_kept(stored)
 
     def _hand_back_unanswered(self) -> None:
         """Hand back the claims whose answer was lost (:meth:`claiming`), and look again for
@@ -527,8 +534,7 @@ class Owner:
             ]
             self._handing.update(due)
         try:
-            for name in due:
-                self._hand_back_one(*name)
+            _each(due, lambda name: self._hand_back_one(*name))
         finally:
             with self._settled:
                 self._handing.difference_update(due)
@@ -580,19 +586,28 @@ class Owner:
                 held.renew_at = now + held.lease / 3
 
     def _renew_one_by_one(self, due: list[Held], now: float) -> None:
-        """Each claim of *due* renewed on its own; one that fails does not keep the others
-        from theirs (the first failure is raised once every claim was tried)."""
-        failed: StoreError | None = None
-        for held in due:
-            try:
-                self._run(self._renew, {"owner": self.id, "lease": held.lease, **held.params})
-            except StoreError as exc:
-                failed = failed or exc
-                continue
+        """Each claim of *due* renewed on its own (:func:`_each`)."""
+
+        def renew(held: Held) -> None:
+            self._run(self._renew, {"owner": self.id, "lease": held.lease, **held.params})
             with self._lock:
                 held.renew_at = now + held.lease / 3
-        if failed is not None:
-            raise failed
+
+        _each(due, renew)
+
+
+def _each(items: Iterable[T], act: Callable[[T], object]) -> None:
+    """*act* on every item, each on its own: one that fails (a node down, a row another
+    session locks) holds up none of the others; the first failure is raised once every
+    item was tried."""
+    failed: StoreError | None = None
+    for item in items:
+        try:
+            act(item)
+        except StoreError as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 def _held_params(owner: int, held: list[dict[str, Any]], leases: list[float]) -> dict[str, Any]:

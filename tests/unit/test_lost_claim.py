@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from flask import Flask
 from werkzeug.test import TestResponse
@@ -267,3 +268,39 @@ def test_a_lost_claim_that_commits_late_is_handed_back_once_it_does(
     assert answer.get_json()["attempt"] == 1  # as if the late claim had never been
     assert waited < LATE_LEASE / 2  # handed back at a look, not left to its lease
     assert executions(db, key) == 1
+
+
+def test_an_answer_the_database_cannot_take_yet_does_not_hold_up_a_hand_back(
+    make_app: Callable[..., Flask], database_url: str, db: DB, key: str
+) -> None:
+    """The owner's duties are tried each on their own at every tick: a kept answer that
+    fails at each try (here its row is locked by another session, so each try runs into
+    the statement bound) does not keep a lost claim of another key from being handed back,
+    which the retry would otherwise wait out for its lease behind a live owner. The kept
+    answer is stored once the row is free."""
+    app = make_app(
+        IDEMPOTENCY_LEASE=LEASE,
+        IDEMPOTENCY_POOL_TIMEOUT=TIMEOUT,
+        IDEMPOTENCY_STATEMENT_TIMEOUT=TIMEOUT,
+    )
+    owner, state = owner_of(app), app.extensions["idempotency"]
+    kept, lost = key + "-kept", key + "-lost"
+    thread, proceed, results = hold_first(app, kept)
+    with psycopg.connect(database_url) as locker:
+        locker.execute("SELECT FROM idempotency_keys WHERE key = %s FOR UPDATE", [kept])
+        proceed.set()
+        thread.join(20)
+        assert results["first"].status_code == 201  # told, and kept: its finish timed out
+        assert owner.kept == 1
+        # a claim of this process that committed, whose answer never reached it: its row
+        # names this owner, and the process holds nothing of it
+        outcome = state.store.claim("", lost, b"\x01" * 32, state.settings.route)
+        state.store.leave_to_death("", lost, outcome)
+        owner.lost("", lost)
+        wait_until(lambda: row(db, lost) is None, LEASE / 2)  # handed back: forgotten
+        assert owner.unanswered == 0 and owner.kept == 1  # while the kept one still fails
+    wait_until(lambda: owner.kept == 0, 10)
+    assert row(db, kept)[0] == "completed"  # type: ignore[index]
+    replay = post(app.test_client(), "/payments", kept)
+    assert replay.get_data() == results["first"].get_data()
+    assert executions(db, kept) == 1

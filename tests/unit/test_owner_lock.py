@@ -6,6 +6,7 @@ The same with real gunicorn workers and ``kill -9``: tests/e2e/test_owner_lock.p
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -463,3 +464,20 @@ def test_a_lock_not_held_by_its_own_session_hands_the_claims_to_their_leases(
         thread.join(20)
     assert results["first"].status_code == 201
     assert executions(db, key) == 1
+
+
+def test_the_owner_asked_for_before_the_first_statement_is_made(
+    make_app: Callable[..., Flask],
+) -> None:
+    """The store's owner, asked for before anything opened the pool (a worker's start-up
+    hook, a test): making it asks whether the database is Citus, which opens the pool under
+    the same lock. It comes back, where a plain lock deadlocked the thread for good."""
+    store = make_app().extensions["idempotency"].store
+    made: list[Any] = []
+    asking = threading.Thread(target=lambda: made.append(store.owner), daemon=True)
+    asking.start()
+    asking.join(10)
+    if asking.is_alive():
+        store._lock.release()  # a plain lock: let that thread, and the teardown, go on
+        pytest.fail("asking for the owner deadlocked its thread")
+    assert made and made[0] is not None and made[0].pid == os.getpid()
