@@ -372,7 +372,8 @@ class Settings:
     #: the longest a request waits for a pool connection; then 503
     pool_timeout: float = option(5.0, _seconds)
     #: the longest the database may take to answer one of the extension's statements,
-    #: measured on the client (a silent network, a hung pooler); then 503
+    #: measured on the client (a silent network, a hung pooler); then 503, and the statement
+    #: is cancelled on the server (with libpq 17 or later, as psycopg's binary wheels have)
     statement_timeout: float = option(5.0, _positive_seconds)
     #: how long the pool keeps retrying a failed connection in the background before
     #: it gives up and lets the next request try afresh (psycopg_pool's reconnect_timeout)

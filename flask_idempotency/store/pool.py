@@ -25,6 +25,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..config import Settings
 from ..errors import StoreError
+from .cancelling import cancel_later
 
 logger = logging.getLogger("flask_idempotency")
 
@@ -62,6 +63,7 @@ class BoundedConnection(psycopg.Connection[Any]):
         try:
             return super().wait(gen, interval, timeout)
         except errors._WaitTimeout:
+            cancel_later(self.pgconn)  # else it may wait on the server for a long while
             self.pgconn.finish()  # the statement's answer may still come: never reuse
             raise StatementTimeout(
                 f"the database did not answer within {self.io_timeout} s"

@@ -270,6 +270,12 @@ def test_a_lost_claim_that_commits_late_is_handed_back_once_it_does(
     assert executions(db, key) == 1
 
 
+#: the backends that wait for a lock (the kept answer's tries, behind the test's row lock)
+WAITING_FOR_A_LOCK = (
+    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%%UPDATE%%'"
+)
+
+
 def test_an_answer_the_database_cannot_take_yet_does_not_hold_up_a_hand_back(
     make_app: Callable[..., Flask], database_url: str, db: DB, key: str
 ) -> None:
@@ -299,6 +305,18 @@ def test_an_answer_the_database_cannot_take_yet_does_not_hold_up_a_hand_back(
         owner.lost("", lost)
         wait_until(lambda: row(db, lost) is None, LEASE / 2)  # handed back: forgotten
         assert owner.unanswered == 0 and owner.kept == 1  # while the kept one still fails
+        # each try of the kept answer runs into its bound and is cancelled on the server
+        # (store/cancelling.py): the tries do not pile up there behind the lock, where each
+        # would hold a connection slot until the lock is free
+        tries: set[int] = set()
+
+        def four_tries_seen() -> bool:
+            waiting = {pid for (pid,) in db.execute(WAITING_FOR_A_LOCK).fetchall()}
+            assert len(waiting) <= 2, waiting
+            tries.update(waiting)
+            return len(tries) >= 4
+
+        wait_until(four_tries_seen, 15)
     wait_until(lambda: owner.kept == 0, 10)
     assert row(db, kept)[0] == "completed"  # type: ignore[index]
     replay = post(app.test_client(), "/payments", kept)
