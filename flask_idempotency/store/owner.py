@@ -46,7 +46,7 @@ from psycopg import pq
 
 from ..errors import StoreError
 from ..keys import lock_id
-from .pool import bounded, one_line
+from .pool import bounded, is_unreachable, one_line
 from .statement import Statement
 
 T = TypeVar("T")
@@ -475,11 +475,13 @@ class Owner:
     # -- the renewals' thread ------------------------------------------------------------
 
     def _keep_alive(self) -> None:
-        """Store the kept answers, renew the claims in flight and hand back the lost ones,
-        through the store's execution path, each duty on its own: one that fails (a kept
-        answer whose row another session locks) holds up none of the others. A failure is
-        said once and tried again at the next tick."""
-        duties = (self._store_kept, self._renew_due, self._hand_back_unanswered)
+        """Renew the claims in flight, hand back the lost ones and store the kept answers,
+        through the store's execution path, each duty and each item on its own (:func:`_each`):
+        one that fails (a kept answer whose row another session locks) holds up none of the
+        others. A failure is said once and tried again at the next tick."""
+        # renewals first: a claim in flight whose lease lapses may be taken over while its
+        # view runs; then the hand-backs, which other processes' retries wait for
+        duties = (self._renew_due, self._hand_back_unanswered, self._store_kept)
         while not self._stopping.wait(_TICK_SECONDS):
             try:
                 _each(duties, lambda duty: duty())
@@ -597,14 +599,18 @@ class Owner:
 
 
 def _each(items: Iterable[T], act: Callable[[T], object]) -> None:
-    """*act* on every item, each on its own: one that fails (a node down, a row another
-    session locks) holds up none of the others; the first failure is raised once every
-    item was tried."""
+    """*act* on every item, each on its own: one that fails (a row another session locks,
+    a Citus node down) holds up none of the others; the first failure is raised once every
+    item was tried. A database that cannot be reached at all (pool.is_unreachable) ends it
+    at once: every other item would wait its bound for nothing, and the next tick tries
+    again."""
     failed: StoreError | None = None
     for item in items:
         try:
             act(item)
         except StoreError as exc:
+            if is_unreachable(exc.__cause__):
+                raise
             failed = failed or exc
     if failed is not None:
         raise failed

@@ -175,6 +175,20 @@ def is_connection_lost(exc: BaseException | None) -> bool:
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and not sqlstate
 
 
+def is_unreachable(exc: BaseException | None) -> bool:
+    """True if *exc* says the database cannot be reached at all right now: the pool had no
+    connection to give within its timeout, or the socket died without the server saying
+    why (no SQLSTATE). An error the server sent is not (a Citus node that could not reach
+    another included): the database answers, and another statement may fare better."""
+    if isinstance(exc, PoolTimeout):
+        return True
+    return (
+        isinstance(exc, psycopg.OperationalError)
+        and not exc.sqlstate
+        and not isinstance(exc, StatementTimeout)
+    )
+
+
 def is_driver_outage(exc: BaseException) -> bool:
     """True if *exc* is the driver's (a view's own statement on the claim's
     connection) and says the database cannot be reached or cannot serve now."""
