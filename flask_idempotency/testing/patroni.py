@@ -52,6 +52,9 @@ TTL = 20
 LOOP_WAIT = 2
 RETRY_TIMEOUT = 5
 SCOPE = "idempotency"
+#: seconds a replica may go without streaming, a leader running, before :meth:`wait_healthy`
+#: reinitializes it
+REINIT_AFTER = 30.0
 DEFAULT_VENV = Path("/opt/patroni-venv")
 
 
@@ -409,8 +412,34 @@ class PatroniCluster(Service):
         )
 
     def wait_healthy(self, timeout: float = 90, count: int | None = None) -> PatroniNode:
-        """Wait for :meth:`healthy`; the leader."""
-        self._wait(lambda: self.healthy(count), timeout, "a leader and streaming replicas")
+        """Wait for :meth:`healthy`; the leader. A replica that has not streamed for
+        :data:`REINIT_AFTER` seconds while a leader runs is reinitialized from it, once
+        (Patroni's REST API, as ``patronictl reinit`` does): a leader killed with ``kill -9``
+        may have written WAL its successor never got, and Patroni then and again starts it
+        as a replica without rewinding it, which the new leader refuses for good ("not in
+        this server's history")."""
+        started = time.monotonic()
+        reinitialized: set[str] = set()
+
+        def ready() -> bool:
+            if self.healthy(count):
+                return True
+            if time.monotonic() - started >= REINIT_AFTER and self.leader() is not None:
+                for member in self.members():
+                    name = member.get("name", "")
+                    if member.get("role") == "leader" or member.get("state") == "streaming":
+                        continue
+                    if name in reinitialized:
+                        continue
+                    reinitialized.add(name)
+                    print(f"patroni: {name} is not streaming ({member.get('state')}): reinit")
+                    try:
+                        _request(f"{self.node(name).api}/reinitialize", "POST", {"force": True})
+                    except (OSError, urllib.error.URLError, KeyError) as exc:
+                        print(f"patroni: reinit of {name} failed: {exc}")
+            return False
+
+        self._wait(ready, timeout, "a leader and streaming replicas")
         leader = self.leader()
         assert leader is not None
         return leader
