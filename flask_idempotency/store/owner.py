@@ -514,8 +514,8 @@ class Owner:
             )
         else:
             logger.warning(
-                "decision=fenced key=%r attempt=%r: a newer attempt owns the key; the"
-                " kept answer was not stored",
+                "decision=fenced key=%r attempt=%r: the kept answer changed nothing: a newer"
+                " attempt owns the key, or a try of it that was given up on was stored after all",
                 params["key"],
                 params["attempt"],
             )
