@@ -310,13 +310,15 @@ def test_an_answer_the_database_cannot_take_yet_does_not_hold_up_a_hand_back(
         # would hold a connection slot until the lock is free
         tries: set[int] = set()
 
-        def four_tries_seen() -> bool:
+        def five_tries_seen() -> bool:
+            # the try waiting now, and one or two whose cancel is on its way (a loaded
+            # machine); without the cancel, four wait by the fourth try
             waiting = {pid for (pid,) in db.execute(WAITING_FOR_A_LOCK).fetchall()}
-            assert len(waiting) <= 2, waiting
+            assert len(waiting) <= 3, waiting
             tries.update(waiting)
-            return len(tries) >= 4
+            return len(tries) >= 5
 
-        wait_until(four_tries_seen, 15)
+        wait_until(five_tries_seen, 20)
     wait_until(lambda: owner.kept == 0, 10)
     assert row(db, kept)[0] == "completed"  # type: ignore[index]
     replay = post(app.test_client(), "/payments", kept)
