@@ -182,11 +182,7 @@ def is_unreachable(exc: BaseException | None) -> bool:
     another included): the database answers, and another statement may fare better."""
     if isinstance(exc, PoolTimeout):
         return True
-    return (
-        isinstance(exc, psycopg.OperationalError)
-        and not exc.sqlstate
-        and not isinstance(exc, StatementTimeout)
-    )
+    return is_connection_lost(exc) and not getattr(exc, "sqlstate", None)
 
 
 def is_driver_outage(exc: BaseException) -> bool:
