@@ -14,7 +14,11 @@ from typing import Any
 import pytest
 
 from flask_idempotency.testing.faults import run_fault_schedule
-from flask_idempotency.testing.faults.checker import _ack_violations, _expiry_violations
+from flask_idempotency.testing.faults.checker import (
+    _ack_violations,
+    _expiry_violations,
+    _key_violations,
+)
 from flask_idempotency.testing.faults.clients import Exchange, Intent, Request
 from flask_idempotency.testing.faults.record import Run
 from flask_idempotency.testing.faults.report import FaultReport
@@ -113,6 +117,45 @@ def test_a_202_without_retry_after_is_an_answer() -> None:
     """A view's own 202 (no Retry-After) is its answer, not work in progress."""
     own = Exchange("first", 0.0, 0.0, 202, body=b"{}", at=1.0)
     assert intent(own).ack is own
+
+
+def run(started: float, how: str, generation: int, end: str = "", attempt: int = 1) -> Run:
+    return Run("k", attempt, 7, started, how, end=end, generation=generation, ttl=3.0)
+
+
+def key_violations(*runs: Run) -> list[str]:
+    found = report()
+    found.runs = {"k": list(runs)}
+    return _key_violations(found, intent(acked(30.0)), 1, True)
+
+
+def test_a_key_used_afresh_after_its_life_numbers_its_attempts_again() -> None:
+    """CI, seed 860222463: a worker killed in the view; the retry came after reconcile made
+    the key retryable and its life had passed, so it was claimed afresh: attempt 1 again,
+    of a new generation (the view may run again: its route said so, on_abandoned="retry")."""
+    assert key_violations(run(2.3, "claimed", 100), run(16.0, "claimed", 200, "stored")) == []
+
+
+def test_the_same_attempt_of_one_generation_twice_is_a_violation() -> None:
+    found = key_violations(run(2.3, "claimed", 100), run(16.0, "claimed", 100, "stored"))
+    assert "attempt(s) [1] ran more than once" in found
+
+
+def test_a_key_claimed_afresh_within_its_life_lost_its_row() -> None:
+    found = key_violations(run(2.3, "claimed", 100), run(4.0, "claimed", 200, "stored"))
+    assert any("claimed afresh 1.7 s after" in f and "its row was lost" in f for f in found)
+    taken = run(3.0, "taken_over", 100, attempt=2)
+    found = key_violations(run(0.5, "claimed", 100), taken, run(5.5, "claimed", 200, "stored"))
+    assert any("claimed afresh 2.5 s after a run of its generation 100" in f for f in found)
+
+
+@pytest.mark.parametrize("end", ["released:unused", "released:rolled_back", ""])
+def test_a_row_rightly_gone_may_be_claimed_afresh_at_once(end: str) -> None:
+    """A key released as never used, and a transactional attempt that did not commit (a
+    rolled-back one, or a killed one), leave no row: the next claim is a fresh one."""
+    first = run(2.3, "claimed", 100, end)
+    first.transactional = end != "released:unused"
+    assert key_violations(first, run(2.5, "claimed", 200, "stored")) == []
 
 
 @pytest.mark.parametrize(

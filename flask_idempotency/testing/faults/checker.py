@@ -30,11 +30,13 @@ def _key_violations(
     if effect > 1:
         how = "the view's runs that may have written" if counted_by_runs else "effects(key)"
         problems.append(f"its effect happened {effect} times (counted by {how})")
-    # a transactional attempt that rolled back left no trace: the next run is its attempt
-    kept = Counter(r.attempt for r in runs if not r.transactional)
-    twice = [a for a, n in kept.items() if n > 1]
+    # a transactional attempt that rolled back left no trace: the next run is its attempt;
+    # a key used afresh after its expiry numbers its attempts again, in a new generation
+    kept = Counter((r.generation, r.attempt) for r in runs if not r.transactional)
+    twice = [a for (_, a), n in kept.items() if n > 1]
     if twice:
         problems.append(f"attempt(s) {twice} ran more than once")
+    problems += _afresh_violations(runs)
     for earlier, later in zip(runs, runs[1:], strict=False):
         if later.how == "taken_over" and not report.disrupted(earlier.started, later.started):
             problems.append(
@@ -54,6 +56,32 @@ def _key_violations(
     elif not intent.final:
         last = intent.exchanges[-1].label() if intent.exchanges else "nothing"
         problems.append(f"never settled: no final answer after the drain (last: {last})")
+    return problems
+
+
+def _afresh_violations(runs: list[Run]) -> list[str]:
+    """A key claimed afresh (a new generation) after a run of an earlier one: its row must
+    have been past its life, which lasts at least the TTL after the earlier generation's
+    last run started (each claim or takeover sets it beyond that). Sooner, the row was lost.
+    A run whose row may rightly be gone is not counted: a transactional one that did not
+    commit with its answer, and one whose key was released as never used."""
+    problems: list[str] = []
+    last: dict[int, float] = {}
+    for run in runs:
+        if run.generation is None:
+            continue
+        earlier = [(g, t) for g, t in last.items() if g != run.generation]
+        if run.how == "claimed" and run.ttl is not None and earlier:
+            generation, started = max(earlier, key=lambda item: item[1])
+            if run.started - started < run.ttl:
+                problems.append(
+                    f"claimed afresh {run.started - started:.1f} s after a run of its"
+                    f" generation {generation} started, before its TTL of {run.ttl:g} s"
+                    " could pass: its row was lost"
+                )
+        kept = run.end == "stored" if run.transactional else run.end != "released:unused"
+        if kept:
+            last[run.generation] = max(last.get(run.generation, run.started), run.started)
     return problems
 
 

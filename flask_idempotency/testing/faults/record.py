@@ -66,20 +66,27 @@ def _recorder(folder: Path, name: str) -> Callable[..., None]:
 
 
 def _request_facts() -> dict[str, Any]:
-    """The endpoint and the path of the request a signal came from, and whether its view
-    is ``transactional=True``."""
+    """The endpoint and the path of the request a signal came from, whether its view is
+    ``transactional=True``, and the key it holds: its generation (a key used afresh after
+    its expiry starts a new one) and its route's TTL."""
     from flask import current_app, has_request_context, request
 
+    from ...claim import peek_claim
     from ...extension import TRANSACTIONAL_MARK
 
     if not has_request_context():
         return {}
     view = current_app.view_functions.get(request.endpoint or "")
-    return {
+    facts: dict[str, Any] = {
         "endpoint": request.endpoint or "",
         "path": request.path,
         "transactional": bool(getattr(view, TRANSACTIONAL_MARK, False)),
     }
+    claim = peek_claim()
+    if claim is not None:
+        facts["generation"] = claim.outcome.generation
+        facts["ttl"] = claim.settings.ttl.total_seconds()
+    return facts
 
 
 def _read_decisions(folder: Path) -> list[dict[str, Any]]:
@@ -117,6 +124,10 @@ class Run:
     ended: float | None = None
     #: the view is ``transactional=True`` (None: not known)
     transactional: bool | None = None
+    #: the key's generation (new when an expired key is used afresh; None: not known)
+    generation: int | None = None
+    #: the route's TTL in seconds (None: not known)
+    ttl: float | None = None
 
 
 def _runs(decisions: list[dict[str, Any]]) -> dict[str, list[Run]]:
@@ -133,6 +144,8 @@ def _runs(decisions: list[dict[str, Any]]) -> dict[str, list[Run]]:
             run.endpoint = str(d.get("endpoint", ""))
             run.path = str(d.get("path", ""))
             run.transactional = d.get("transactional")
+            run.generation = d.get("generation")
+            run.ttl = d.get("ttl")
             runs[run.key].append(run)
             open_runs[where] = run
             continue
