@@ -34,6 +34,9 @@ CLIENTS = 3
 MAX_REQUESTS_PER_CLIENT = 3000
 TRAFFIC_TIME_LIMIT = 150.0  # seconds; the phases below end long before
 POOL_TIMEOUT = 1  # seconds: how long a request waits for a connection before its 503
+#: seconds the final look gives the keys still in progress (answers their process keeps until
+#: it can store them) to settle, all keys together
+SETTLE_SECONDS = 20
 
 
 @dataclass
@@ -103,6 +106,14 @@ def label(answer: Response | BaseException) -> str:
     if answer.is_problem:
         return f"{answer.status} {answer.json()['type'].rpartition(':')[2]}"
     return str(answer.status)
+
+
+def in_progress(answer: Response) -> bool:
+    return (
+        answer.status == 409
+        and answer.is_problem
+        and answer.problem_type().endswith(":request-in-progress")
+    )
 
 
 def is_fresh_201(exchange: Exchange) -> bool:
@@ -177,10 +188,17 @@ def run_outage(
             "10 more keys to succeed",
         )
         traffic.stop()
-        # Last, every key once more, now that all is calm and every lease has run out.
+        # Last, every key once more, now that all is calm, as a client that follows
+        # Retry-After asks it: a key whose answer its process still keeps (the view answered
+        # while the store was down) is in progress until that process has stored it.
         traffic.phase = "final"
+        settled_by = time.monotonic() + SETTLE_SECONDS
         for key in sorted({e.key for e in traffic.snapshot()}):
             answer = post(server.port, "/pay", key, headers={"X-Tenant": tenant})
+            while in_progress(answer) and time.monotonic() < settled_by:
+                traffic.exchanges.append(Exchange(key, "settling", "settling", answer))
+                time.sleep(0.2)
+                answer = post(server.port, "/pay", key, headers={"X-Tenant": tenant})
             traffic.exchanges.append(Exchange(key, "final", "final", answer))
     finally:
         traffic.stop()
