@@ -1,7 +1,9 @@
 """The fault schedule's checks on made-up histories. Expired keys (SPEC §24): a key answered
 409 key-expired is final, never runs again, and names the status its client was
 acknowledged. Asynchronous routes (SPEC §10): their 202 Accepted is followed to the key's
-answer, which later requests must replay. The schedule itself runs in
+answer, which later requests must replay. A key's attempts are counted per generation (a key
+used afresh after its life starts again at 1), and a fresh claim within its TTL says its row
+was lost. The schedule itself runs in
 tests/e2e/test_fault_schedule.py; here each rule is shown to fail when broken, which a
 passing schedule cannot show."""
 
