@@ -163,8 +163,6 @@ class Held:
     renew_at: float
     #: a finish that could not be stored in time: (statement, its parameters)
     kept: tuple[Statement, dict[str, Any]] | None = None
-    #: called with True once the kept finish is stored, False if it was fenced
-    on_kept: Callable[[bool], None] | None = None
 
 
 class Owner:
@@ -317,12 +315,7 @@ class Owner:
         with self._lock:
             self._held.pop(_name(params), None)
 
-    def keep(
-        self,
-        statement: Statement,
-        params: dict[str, Any],
-        on_kept: Callable[[bool], None] | None = None,
-    ) -> bool:
+    def keep(self, statement: Statement, params: dict[str, Any]) -> bool:
         """Keep the finish (*statement*, *params*) of a claim held here and store it as
         soon as the database answers; False when nothing can keep it (the claim is not
         held by this owner, or the owner runs without its lock)."""
@@ -331,7 +324,6 @@ class Owner:
             if held is None or not self.usable:
                 return False
             held.kept = (statement, dict(params))
-            held.on_kept = on_kept
             held.renew_at = time.monotonic()
         self._start()
         return True
@@ -519,8 +511,6 @@ class Owner:
                 params["key"],
                 params["attempt"],
             )
-        if held.on_kept is not None:
-            held.on_kept(stored)
 
     def _hand_back_unanswered(self) -> None:
         """Hand back the claims whose answer was lost (:meth:`claiming`), and look again for
