@@ -47,6 +47,7 @@ def render_report(results: dict[str, Any]) -> str:
         inprocess,
         profiles,
         targets,
+        lean_key_targets,
     ):
         section(results, w)
     w("")
@@ -148,7 +149,8 @@ def ratios(results: dict[str, Any], w: Write) -> None:
         found[label] = value
         verdict = ""
         if target is not None:
-            verdict = f"target >= {target:.2f}: {'MET' if value >= target else 'NOT MET'}"
+            met = "MET" if value >= target else "NOT MET"
+            verdict = f"issue 24's target >= {target:.2f}: {met}"
         low, high = min(per_round), max(per_round)
         w(f"  {label:4} {text:36} {value:5.2f}  (rounds {low:.2f}-{high:.2f})  {verdict}".rstrip())
     results["ratios"] = found
@@ -423,3 +425,28 @@ def targets(results: dict[str, Any], w: Write) -> None:
     for name, measured, target, met in rows:
         verdict = "" if met is None else ("MET" if met else "NOT MET")
         w(f"  {name:38} {measured:>14}  target {target:11} {verdict}")
+
+
+def lean_key_targets(results: dict[str, Any], w: Write) -> None:
+    """Issue 48's targets that this run measures: a new key's CPU under load at most the
+    hand-rolled code's (so b/f >= 1.0 by rate), and its WAL at most 1.3x the floor's."""
+    summary = results.get("summary", {})
+    counted = results.get("counted", {})
+    rows: list[tuple[str, str, str, bool]] = []
+    if "b" in summary and "f" in summary:
+        b, f = (summary[v]["cpu_ms_per_request"]["busy"] for v in ("b", "f"))
+        rows.append(("CPU per new key under load / f's", f"{b / f:.2f}", "<= 1.00", b <= f))
+        rate = summary["b"]["rps"] / summary["f"]["rps"]
+        rows.append(("b/f by rate", f"{rate:.2f}", ">= 1.00", rate >= 1.0))
+    wal_b = counted.get("b", {}).get("statement_wal_bytes")
+    wal_p = counted.get("p", {}).get("statement_wal_bytes")
+    if wal_b and wal_p:
+        ratio = wal_b / wal_p
+        name = "WAL per new key / the floor's (counted)"
+        rows.append((name, f"{ratio:.2f}", "<= 1.30", ratio <= 1.3))
+    if not rows:
+        return
+    w("")
+    w("targets (issue 48), this run:")
+    for name, measured, target, met in rows:
+        w(f"  {name:38} {measured:>14}  target {target:11} {'MET' if met else 'NOT MET'}")
