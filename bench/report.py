@@ -418,13 +418,7 @@ def targets(results: dict[str, Any], w: Write) -> None:
                 round(counted_c["round_trips"], 2) <= 1 and round(counted_c["wal_flushes"], 2) == 0,
             )
         )
-    if not rows:
-        return
-    w("")
-    w("targets (issue 24), this run:")
-    for name, measured, target, met in rows:
-        verdict = "" if met is None else ("MET" if met else "NOT MET")
-        w(f"  {name:38} {measured:>14}  target {target:11} {verdict}")
+    _target_table("targets (issue 24), this run:", rows, w)
 
 
 def lean_key_targets(results: dict[str, Any], w: Write) -> None:
@@ -432,7 +426,7 @@ def lean_key_targets(results: dict[str, Any], w: Write) -> None:
     hand-rolled code's (so b/f >= 1.0 by rate), and its WAL at most 1.3x the floor's."""
     summary = results.get("summary", {})
     counted = results.get("counted", {})
-    rows: list[tuple[str, str, str, bool]] = []
+    rows: list[tuple[str, str, str, bool | None]] = []
     if "b" in summary and "f" in summary:
         b, f = (summary[v]["cpu_ms_per_request"]["busy"] for v in ("b", "f"))
         rows.append(("CPU per new key under load / f's", f"{b / f:.2f}", "<= 1.00", b <= f))
@@ -444,9 +438,15 @@ def lean_key_targets(results: dict[str, Any], w: Write) -> None:
         ratio = wal_b / wal_p
         name = "WAL per new key / the floor's (counted)"
         rows.append((name, f"{ratio:.2f}", "<= 1.30", ratio <= 1.3))
+    _target_table("targets (issue 48), this run:", rows, w)
+
+
+def _target_table(title: str, rows: list[tuple[str, str, str, bool | None]], w: Write) -> None:
+    """*rows* (name, measured, target, met or None) under *title*; nothing if none."""
     if not rows:
         return
     w("")
-    w("targets (issue 48), this run:")
+    w(title)
     for name, measured, target, met in rows:
-        w(f"  {name:38} {measured:>14}  target {target:11} {'MET' if met else 'NOT MET'}")
+        verdict = "" if met is None else ("MET" if met else "NOT MET")
+        w(f"  {name:38} {measured:>14}  target {target:11} {verdict}")
